@@ -1,0 +1,101 @@
+"""The activation table of the design, for both backends.
+
+`Activation` names them; `CONSTANTS` holds the numbers the formulas use (the CUDA kernels
+read the same ones); `forward(act, x)` and `derivative(act, x)` are the NumPy versions,
+elementwise over an array of any shape in float32 or float64. The derivative is taken at
+the activation's input `x`, never at its output.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+
+import numpy as np
+from scipy import special
+
+
+class Activation(str, Enum):
+    IDENTITY = "identity"
+    RELU = "relu"
+    TANH = "tanh"
+    SIGMOID = "sigmoid"
+    FAST_TANH = "fast_tanh"
+    GELU_TANH = "gelu_tanh"
+    GELU = "gelu"
+    GELU_ORIGINAL = "gelu_original"
+
+
+# k of the tanh approximation of GELU: PyTorch's approximate="tanh" uses sqrt(2/pi); the
+# original C++ library used half of it, kept so that its trained models load unchanged.
+GELU_TANH_K = math.sqrt(2.0 / math.pi)
+GELU_ORIGINAL_K = 0.5 * math.sqrt(2.0 / math.pi)
+GELU_CUBIC = 0.044715
+FAST_TANH_CLAMP = 3.0
+INV_SQRT2 = 1.0 / math.sqrt(2.0)
+INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def _gelu_tanh(x: np.ndarray, k: float) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(k * (x + GELU_CUBIC * x**3)))
+
+
+def _gelu_tanh_derivative(x: np.ndarray, k: float) -> np.ndarray:
+    t = np.tanh(k * (x + GELU_CUBIC * x**3))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * GELU_CUBIC * x * x)
+
+
+def _fast_tanh(x: np.ndarray) -> np.ndarray:
+    c = np.clip(x, -FAST_TANH_CLAMP, FAST_TANH_CLAMP)
+    c2 = c * c
+    return c * (27.0 + c2) / (27.0 + 9.0 * c2)
+
+
+def forward(act: Activation, x: np.ndarray) -> np.ndarray:
+    """f(x), same shape and dtype as `x`."""
+    dt = x.dtype.type
+    if act is Activation.IDENTITY:
+        return x.copy()
+    if act is Activation.RELU:
+        return np.maximum(x, dt(0))
+    if act is Activation.TANH:
+        return np.tanh(x)
+    if act is Activation.SIGMOID:
+        return special.expit(x)
+    if act is Activation.FAST_TANH:
+        return _fast_tanh(x).astype(x.dtype, copy=False)
+    if act is Activation.GELU_TANH:
+        return _gelu_tanh(x, dt(GELU_TANH_K)).astype(x.dtype, copy=False)
+    if act is Activation.GELU_ORIGINAL:
+        return _gelu_tanh(x, dt(GELU_ORIGINAL_K)).astype(x.dtype, copy=False)
+    if act is Activation.GELU:
+        return (dt(0.5) * x * (dt(1) + special.erf(x * dt(INV_SQRT2)))).astype(x.dtype, copy=False)
+    raise ValueError(f"activation: unknown {act!r}")
+
+
+def derivative(act: Activation, x: np.ndarray) -> np.ndarray:
+    """f'(x) at the activation's input `x`, same shape and dtype as `x`."""
+    dt = x.dtype.type
+    if act is Activation.IDENTITY:
+        return np.ones_like(x)
+    if act is Activation.RELU:
+        return (x > 0).astype(x.dtype)
+    if act is Activation.TANH:
+        t = np.tanh(x)
+        return dt(1) - t * t
+    if act is Activation.SIGMOID:
+        s = special.expit(x)
+        return s * (dt(1) - s)
+    if act is Activation.FAST_TANH:
+        # As the original library: 1 - f(x)^2, which is not f's exact derivative.
+        f = _fast_tanh(x)
+        return (1.0 - f * f).astype(x.dtype, copy=False)
+    if act is Activation.GELU_TANH:
+        return _gelu_tanh_derivative(x, dt(GELU_TANH_K)).astype(x.dtype, copy=False)
+    if act is Activation.GELU_ORIGINAL:
+        return _gelu_tanh_derivative(x, dt(GELU_ORIGINAL_K)).astype(x.dtype, copy=False)
+    if act is Activation.GELU:
+        cdf = dt(0.5) * (dt(1) + special.erf(x * dt(INV_SQRT2)))
+        pdf = np.exp(dt(-0.5) * x * x) * dt(INV_SQRT_2PI)
+        return (cdf + x * pdf).astype(x.dtype, copy=False)
+    raise ValueError(f"activation: unknown {act!r}")

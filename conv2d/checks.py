@@ -1,0 +1,52 @@
+"""Argument checks shared by the layer and both backends; each raises before anything changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def c_contiguous_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides, step = [], itemsize
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def describe(a: Any) -> str:
+    shape = getattr(a, "shape", None)
+    dtype = getattr(a, "dtype", None)
+    if shape is None:
+        return f"a {type(a).__name__}"
+    return f"a {type(a).__name__} of shape {tuple(shape)} and dtype {dtype}"
+
+
+def check_shape_dtype(name: str, a: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """`a` must have exactly `shape` and `dtype`: nothing is cast or reshaped for the caller."""
+    got_shape = tuple(getattr(a, "shape", ()))
+    if got_shape != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {describe(a)}")
+    if np.dtype(a.dtype) != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {describe(a)} (cast it first; "
+                        f"nothing is cast silently)")
+
+
+def check_numpy(name: str, a: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A C-contiguous NumPy array of `shape` and `dtype`, or a clear error."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray, got {describe(a)}")
+    check_shape_dtype(name, a, shape, dtype)
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array, got one with strides {a.strides} "
+                         f"(use numpy.ascontiguousarray)")
+    return a
+
+
+def check_finite(name: str, a: np.ndarray) -> None:
+    # Comparing in float64 handles ml_dtypes' 16-bit types, which np.isfinite may not know.
+    finite = np.isfinite(a.astype(np.float64, copy=False))
+    if not finite.all():
+        bad = int(finite.size - finite.sum())
+        raise ValueError(f"{name}: expected finite values, got {bad} NaN or infinite entries")

@@ -1,0 +1,70 @@
+"""The type policy: what each `DType` stores, computes in, and how far it may be from float64.
+
+| policy   | activations, gradients, weights | accumulation, norm statistics and parameters |
+| -------- | ------------------------------- | -------------------------------------------- |
+| float64  | float64 (reference only)        | float64                                      |
+| float32  | float32                         | float32                                      |
+| float16  | float16                         | float32                                      |
+| bfloat16 | bfloat16 (ml_dtypes)            | float32                                      |
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+from conv2d.spec import DType
+
+_STORAGE = {
+    DType.FLOAT64: np.dtype(np.float64),
+    DType.FLOAT32: np.dtype(np.float32),
+    DType.FLOAT16: np.dtype(np.float16),
+    DType.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
+}
+
+# Unit roundoff u = 2^-p for p significand bits (counting the implicit one): the largest
+# relative error of one rounding to nearest.
+UNIT_ROUNDOFF = {
+    DType.FLOAT64: 2.0**-53,
+    DType.FLOAT32: 2.0**-24,
+    DType.FLOAT16: 2.0**-11,
+    DType.BFLOAT16: 2.0**-8,
+}
+
+# Roundings to the storage type on the longest path from the float64 inputs to a result:
+# x and W when cast in, the stored pre-activations, d_y when cast in, d_z before it feeds
+# the two convolution gradients, and the result itself.
+STORAGE_ROUNDINGS = 6
+
+# Confidence factor of the probabilistic bound (Higham & Mary, SIAM J. Sci. Comput. 2019):
+# a length-n sum in precision u errs by at most lam*sqrt(n)*u relative to the sum of
+# magnitudes with probability >= 1 - 2*exp(-lam^2 / 2); lam = 6 leaves ~3e-8 per element.
+CONFIDENCE = 6.0
+
+
+def storage_dtype(dtype: DType) -> np.dtype:
+    """The NumPy dtype of activations, gradients, weights and bias."""
+    return _STORAGE[DType(dtype)]
+
+
+def compute_dtype(dtype: DType) -> np.dtype:
+    """The dtype of accumulation, norm statistics and norm parameters."""
+    return np.dtype(np.float64) if DType(dtype) is DType.FLOAT64 else np.dtype(np.float32)
+
+
+def tolerance(dtype: DType, reduction_length: int) -> float:
+    """Largest allowed `max|got - want| / max|want|` of a result against the float64 oracle.
+
+    `reduction_length` is the longest sum behind the result: KH*KW*IC for the forward
+    convolution, KH*KW*OC for backward-data, N*OH*OW for backward-filter, the bias
+    gradient and batch-norm statistics. The bound is CONFIDENCE * (STORAGE_ROUNDINGS * u_s
+    + sqrt(n) * u_c) with u_s, u_c the unit roundoffs of the storage and compute types.
+    """
+    dtype = DType(dtype)
+    if reduction_length < 1:
+        raise ValueError(f"reduction_length: expected an int >= 1, got {reduction_length!r}")
+    u_s = UNIT_ROUNDOFF[dtype]
+    u_c = UNIT_ROUNDOFF[DType.FLOAT64] if dtype is DType.FLOAT64 else UNIT_ROUNDOFF[DType.FLOAT32]
+    return CONFIDENCE * (STORAGE_ROUNDINGS * u_s + math.sqrt(reduction_length) * u_c)

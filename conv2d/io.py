@@ -1,0 +1,135 @@
+"""Saving and loading a layer: one .npz file holding the spec and the state.
+
+File format (version 1), a NumPy .npz archive (zip) with:
+- `header`: a uint8 array holding UTF-8 JSON: {"format": "conv2d", "version": 1,
+  "spec": LayerSpec.to_dict(), "arrays": {name: {"dtype", "shape", "sha256"}}};
+- `state.<name>` for every state entry (weights, bias, gamma, beta, running_mean,
+  running_var as the spec has them), C order; bfloat16 arrays are stored as their raw
+  uint16 bits (npz has no bfloat16), the header naming the real dtype.
+`sha256` is over each array's raw bytes, so truncation or tampering is caught on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from conv2d.dtypes import storage_dtype
+from conv2d.layer import Conv2d
+from conv2d.spec import DType, LayerSpec
+
+FORMAT = "conv2d"
+VERSION = 1
+
+
+def _dtype_name(dt: np.dtype) -> str:
+    return "bfloat16" if dt == storage_dtype(DType.BFLOAT16) else dt.name
+
+
+def _dtype_from_name(name: str) -> np.dtype:
+    if name == "bfloat16":
+        return storage_dtype(DType.BFLOAT16)
+    if name in ("float16", "float32", "float64"):
+        return np.dtype(name)
+    raise ValueError(f"unknown dtype {name!r}")
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def save(layer: Conv2d, path: str | os.PathLike) -> None:
+    """Write `layer`'s spec and state to `path` (.npz), atomically: a failed write leaves any
+    existing file as it was."""
+    if not isinstance(layer, Conv2d):
+        raise TypeError(f"layer: expected a Conv2d, got {type(layer).__name__}")
+    path = Path(path)
+    state = layer.state_dict()
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "spec": layer.spec.to_dict(),
+        "arrays": {k: {"dtype": _dtype_name(v.dtype), "shape": list(v.shape), "sha256": _digest(v)}
+                   for k, v in state.items()},
+    }
+    payload = {"header": np.frombuffer(json.dumps(header, sort_keys=True).encode(), dtype=np.uint8)}
+    for k, v in state.items():
+        payload[f"state.{k}"] = v.view(np.uint16) if _dtype_name(v.dtype) == "bfloat16" else v
+    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **payload)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _read(path: Path) -> tuple[LayerSpec, dict[str, np.ndarray]]:
+    where = f"load({str(path)!r})"
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            files = {name: archive[name] for name in archive.files}
+    except FileNotFoundError:
+        raise
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
+        raise ValueError(f"{where}: not a readable conv2d file (truncated or corrupt?): {e}") from e
+    try:
+        header = json.loads(files.pop("header").tobytes().decode())
+    except (KeyError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: missing or unreadable header: {e!r}") from e
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise ValueError(f"{where}: not a conv2d file (header format {header.get('format') if isinstance(header, dict) else header!r})")
+    if header.get("version") != VERSION:
+        raise ValueError(f"{where}: file format version {header.get('version')!r}, this conv2d reads {VERSION}")
+    try:
+        spec = LayerSpec.from_dict(header["spec"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: invalid spec in header: {e}") from e
+    described = header.get("arrays", {})
+    stored = {k[len("state."):]: v for k, v in files.items() if k.startswith("state.")}
+    if set(described) != set(stored) or len(stored) != len(files):
+        raise ValueError(f"{where}: header lists arrays {sorted(described)}, file holds {sorted(files)}")
+    state = {}
+    for name, meta in described.items():
+        try:
+            dt = _dtype_from_name(meta["dtype"])
+            a = stored[name]
+            if dt == storage_dtype(DType.BFLOAT16):
+                if a.dtype != np.uint16:
+                    raise ValueError(f"bfloat16 bits stored as {a.dtype}")
+                a = a.view(dt)
+            if a.dtype != dt or list(a.shape) != list(meta["shape"]):
+                raise ValueError(f"header says {meta['dtype']} {meta['shape']}, array is {a.dtype} {list(a.shape)}")
+            if _digest(a) != meta["sha256"]:
+                raise ValueError("checksum mismatch (the file was modified or damaged)")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where}: array {name!r}: {e}") from e
+        state[name] = a
+    return spec, state
+
+
+def load(path: str | os.PathLike, backend: str = "reference", into: Conv2d | None = None,
+         **backend_options: Any) -> Conv2d:
+    """Read a file written by `save`. Returns a new layer on `backend`, or, with `into`,
+    loads the state into that layer (whose spec must equal the file's) and returns it.
+    Any problem raises before a layer is changed."""
+    path = Path(path)
+    spec, state = _read(path)
+    if into is not None:
+        if not isinstance(into, Conv2d):
+            raise TypeError(f"into: expected a Conv2d, got {type(into).__name__}")
+        if into.spec != spec:
+            raise ValueError(f"load({str(path)!r}): the file's spec {spec} does not match the layer's {into.spec}")
+        into.load_state_dict(state)
+        return into
+    layer = Conv2d(spec, backend, **backend_options)
+    layer.load_state_dict(state)
+    return layer

@@ -1,0 +1,72 @@
+"""Batch norm and layer norm, in NumPy, over (N, OH, OW, OC) arrays in the compute dtype.
+
+Both normalise `z` over some axes and scale and shift per channel:
+batch norm over `BATCH_AXES` (N, OH, OW), one statistic per channel, shape (OC,);
+layer norm over `LAYER_AXES` (OH, OW, OC), one statistic per sample, shape (N,).
+`expand` turns a statistic back into a shape that broadcasts against `z`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BATCH_AXES = (0, 1, 2)
+LAYER_AXES = (1, 2, 3)
+
+
+def expand(stat: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    """(OC,) -> (1, 1, 1, OC) for batch norm; (N,) -> (N, 1, 1, 1) for layer norm."""
+    return stat.reshape((1, 1, 1, -1) if axes == BATCH_AXES else (-1, 1, 1, 1))
+
+
+def statistics(z: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and biased variance over `axes`, two passes (mean, then mean squared deviation)."""
+    mean = z.mean(axis=axes)
+    dev = z - expand(mean, axes)
+    var = (dev * dev).mean(axis=axes)
+    return mean, var
+
+
+def inverse_std(var: np.ndarray, epsilon: float) -> np.ndarray:
+    return (1.0 / np.sqrt(var + var.dtype.type(epsilon))).astype(var.dtype, copy=False)
+
+
+def normalize(z: np.ndarray, mean: np.ndarray, inv_std: np.ndarray,
+              axes: tuple[int, ...]) -> np.ndarray:
+    """x_hat = (z - mean) * inv_std, same shape as `z`."""
+    return (z - expand(mean, axes)) * expand(inv_std, axes)
+
+
+def affine(x_hat: np.ndarray, gamma: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    """gamma * x_hat + beta, per channel (the last axis)."""
+    return x_hat * gamma + beta
+
+
+def update_running(running: np.ndarray, batch_stat: np.ndarray, momentum: float) -> np.ndarray:
+    """(1 - momentum) * running + momentum * batch_stat, in `running`'s dtype."""
+    m = running.dtype.type(momentum)
+    return ((1 - m) * running + m * batch_stat.astype(running.dtype)).astype(running.dtype, copy=False)
+
+
+def param_backward(d_out: np.ndarray, x_hat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """d_gamma = sum(d_out * x_hat), d_beta = sum(d_out), over N, OH, OW: (OC,) each."""
+    c = d_out.shape[-1]
+    return (d_out * x_hat).reshape(-1, c).sum(axis=0), d_out.reshape(-1, c).sum(axis=0)
+
+
+def backward_batch_statistics(d_out: np.ndarray, x_hat: np.ndarray, inv_std: np.ndarray,
+                              gamma: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    """d_z when mean and inv_std were computed from `z` itself over `axes`.
+
+    With g = d_out * gamma: d_z = inv_std * (g - mean(g) - x_hat * mean(g * x_hat)).
+    """
+    g = d_out * gamma
+    mean_g = g.mean(axis=axes)
+    mean_gx = (g * x_hat).mean(axis=axes)
+    return expand(inv_std, axes) * (g - expand(mean_g, axes) - x_hat * expand(mean_gx, axes))
+
+
+def backward_fixed_statistics(d_out: np.ndarray, inv_std: np.ndarray, gamma: np.ndarray,
+                              axes: tuple[int, ...]) -> np.ndarray:
+    """d_z when mean and inv_std were constants (batch norm in eval): d_out * gamma * inv_std."""
+    return d_out * gamma * expand(inv_std, axes)

@@ -1,0 +1,156 @@
+"""The layer description shared by both backends: `LayerSpec`, and its enum-like fields."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any, Union
+
+from conv2d.activations import Activation
+
+IntPair = Union[int, tuple[int, int]]
+
+
+class Normalization(str, Enum):
+    NONE = "none"
+    BATCH_NORM = "batch_norm"
+    LAYER_NORM = "layer_norm"
+
+
+class DType(str, Enum):
+    """The type policy of a layer (see conv2d.dtypes for what each one stores and computes in)."""
+
+    FLOAT64 = "float64"
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+def _enum_value(enum: type[Enum], name: str, value: Any) -> Enum:
+    if isinstance(value, enum):
+        return value
+    if isinstance(value, str):
+        for member in enum:
+            if value == member.value:
+                return member
+    allowed = ", ".join(repr(m.value) for m in enum)
+    raise ValueError(f"LayerSpec.{name}: expected one of {allowed}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass, but `kernel=True` is a bug, not a size.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _pair(name: str, value: Any) -> tuple[int, int]:
+    if _is_int(value):
+        return (value, value)
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_int(v) for v in value):
+        return (int(value[0]), int(value[1]))
+    raise ValueError(f"LayerSpec.{name}: expected an int or a pair of ints, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Everything that fixes a layer's shapes and semantics; hashable, so it keys caches.
+
+    Input `(N, H, W, C)` = (batch_size, in_height, in_width, in_channels); output
+    `(N, OH, OW, OC)`; weights `(OC, KH, KW, IC)`. `kernel`, `stride` and `padding` take an
+    int or an (H, W) pair and are stored as pairs; padding is symmetric zero padding.
+    """
+
+    batch_size: int
+    in_height: int
+    in_width: int
+    in_channels: int
+    out_channels: int
+    kernel: IntPair = 3
+    stride: IntPair = 1
+    padding: IntPair = 0
+    activation: Activation | str = Activation.IDENTITY
+    normalization: Normalization | str = Normalization.NONE
+    bn_momentum: float = 0.1
+    bn_epsilon: float = 1e-5
+    dtype: DType | str = DType.FLOAT32
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        for name in ("batch_size", "in_height", "in_width", "in_channels", "out_channels"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"LayerSpec.{name}: expected an int >= 1, got {value!r}")
+        kernel = _pair("kernel", self.kernel)
+        stride = _pair("stride", self.stride)
+        padding = _pair("padding", self.padding)
+        for name, pair, least in (("kernel", kernel, 1), ("stride", stride, 1), ("padding", padding, 0)):
+            if min(pair) < least:
+                raise ValueError(f"LayerSpec.{name}: expected every entry >= {least}, got {getattr(self, name)!r}")
+        for axis, size, k, p in (("height", self.in_height, kernel[0], padding[0]),
+                                 ("width", self.in_width, kernel[1], padding[1])):
+            if k > size + 2 * p:
+                raise ValueError(
+                    f"LayerSpec.kernel: the kernel's {axis} {k} is larger than the padded input's "
+                    f"{axis} {size} + 2*{p} = {size + 2 * p}")
+        set_(self, "kernel", kernel)
+        set_(self, "stride", stride)
+        set_(self, "padding", padding)
+        set_(self, "activation", _enum_value(Activation, "activation", self.activation))
+        set_(self, "normalization", _enum_value(Normalization, "normalization", self.normalization))
+        set_(self, "dtype", _enum_value(DType, "dtype", self.dtype))
+        m = self.bn_momentum
+        if not isinstance(m, (int, float)) or isinstance(m, bool) or not 0.0 <= m <= 1.0:
+            raise ValueError(f"LayerSpec.bn_momentum: expected a number in [0, 1], got {m!r}")
+        e = self.bn_epsilon
+        if not isinstance(e, (int, float)) or isinstance(e, bool) or not (e > 0 and math.isfinite(e)):
+            raise ValueError(f"LayerSpec.bn_epsilon: expected a finite number > 0, got {e!r}")
+        set_(self, "bn_momentum", float(m))
+        set_(self, "bn_epsilon", float(e))
+
+    # Derived sizes -------------------------------------------------------------------------
+    @property
+    def out_height(self) -> int:
+        return (self.in_height + 2 * self.padding[0] - self.kernel[0]) // self.stride[0] + 1
+
+    @property
+    def out_width(self) -> int:
+        return (self.in_width + 2 * self.padding[1] - self.kernel[1]) // self.stride[1] + 1
+
+    @property
+    def input_shape(self) -> tuple[int, int, int, int]:
+        """`(N, H, W, C)`."""
+        return (self.batch_size, self.in_height, self.in_width, self.in_channels)
+
+    @property
+    def output_shape(self) -> tuple[int, int, int, int]:
+        """`(N, OH, OW, OC)`."""
+        return (self.batch_size, self.out_height, self.out_width, self.out_channels)
+
+    @property
+    def weight_shape(self) -> tuple[int, int, int, int]:
+        """`(OC, KH, KW, IC)`, cuDNN's NHWC filter layout."""
+        return (self.out_channels, self.kernel[0], self.kernel[1], self.in_channels)
+
+    @property
+    def fan_in(self) -> int:
+        return self.kernel[0] * self.kernel[1] * self.in_channels
+
+    # Serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values; `LayerSpec.from_dict` inverts it."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.value if isinstance(value, Enum) else (list(value) if isinstance(value, tuple) else value)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LayerSpec":
+        if not isinstance(data, dict):
+            raise ValueError(f"LayerSpec.from_dict: expected a dict, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"LayerSpec.from_dict: unknown fields {unknown}; known are {sorted(known)}")
+        values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items()}
+        return cls(**values)

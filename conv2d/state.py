@@ -1,0 +1,65 @@
+"""The layer's named arrays: which exist for a spec, with what shape and dtype, and checks."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from conv2d.checks import check_finite, check_shape_dtype, describe
+from conv2d.dtypes import compute_dtype, storage_dtype
+from conv2d.spec import LayerSpec, Normalization
+
+
+def state_layout(spec: LayerSpec) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """name -> (shape, dtype) of every state entry the spec's layer has.
+
+    weights (OC, KH, KW, IC) and bias (OC,) in the storage dtype; with a norm, gamma and
+    beta (OC,) in the compute dtype; with batch norm, running_mean and running_var too.
+    """
+    st, ct, oc = storage_dtype(spec.dtype), compute_dtype(spec.dtype), spec.out_channels
+    layout = {"weights": (spec.weight_shape, st), "bias": ((oc,), st)}
+    if spec.normalization is not Normalization.NONE:
+        layout["gamma"] = ((oc,), ct)
+        layout["beta"] = ((oc,), ct)
+    if spec.normalization is Normalization.BATCH_NORM:
+        layout["running_mean"] = ((oc,), ct)
+        layout["running_var"] = ((oc,), ct)
+    return layout
+
+
+def grad_layout(spec: LayerSpec) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Every parameter's gradient: the parameter's shape and dtype."""
+    return {k: v for k, v in state_layout(spec).items() if not k.startswith("running_")}
+
+
+def initial_state(spec: LayerSpec) -> dict[str, np.ndarray]:
+    """Zeros, except gamma = 1 and running_var = 1."""
+    state = {k: np.zeros(shape, dtype) for k, (shape, dtype) in state_layout(spec).items()}
+    for k in ("gamma", "running_var"):
+        if k in state:
+            state[k][...] = 1
+    return state
+
+
+def check_arrays(what: str, arrays: Any, layout: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+                 finite: bool) -> dict[str, np.ndarray]:
+    """Validate a whole dict against `layout` (keys, shapes, dtypes, finiteness) before any use."""
+    if not isinstance(arrays, Mapping):
+        raise TypeError(f"{what}: expected a dict of arrays, got {describe(arrays)}")
+    missing = sorted(set(layout) - set(arrays))
+    unexpected = sorted(set(arrays) - set(layout))
+    if missing or unexpected:
+        raise KeyError(f"{what}: expected keys {sorted(layout)}, missing {missing}, unexpected {unexpected}")
+    out = {}
+    for name, (shape, dtype) in layout.items():
+        a = arrays[name]
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{what}[{name!r}]: expected a numpy.ndarray, got {describe(a)}")
+        check_shape_dtype(f"{what}[{name!r}]", a, shape, dtype)
+        if finite:
+            check_finite(f"{what}[{name!r}]", a)
+        out[name] = a
+    if "running_var" in out and (out["running_var"] < 0).any():
+        raise ValueError(f"{what}['running_var']: expected values >= 0, got min {out['running_var'].min()}")
+    return out
