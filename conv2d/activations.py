@@ -26,6 +26,10 @@ class Activation(str, Enum):
     GELU_ORIGINAL = "gelu_original"
 
 
+# Activations whose derivative jumps (ReLU's at 0): gradients through them get a wider
+# tolerance in low precision (conv2d.dtypes.tolerance).
+JUMPING_DERIVATIVE = frozenset({Activation.RELU})
+
 # k of the tanh approximation of GELU: PyTorch's approximate="tanh" uses sqrt(2/pi); the
 # original C++ library used half of it, kept so that its trained models load unchanged.
 GELU_TANH_K = math.sqrt(2.0 / math.pi)

@@ -44,6 +44,14 @@ STORAGE_ROUNDINGS = 6
 CONFIDENCE = 6.0
 
 
+# A derivative with a jump (ReLU's at 0) turns a rounding of its input across the jump into
+# an O(1) error of that term. A fraction ~u_s of the terms lie within one rounding of the
+# jump, so a sum of n terms gains about sqrt(n * u_s) such errors against a sum of size
+# ~sqrt(n): a relative error ~sqrt(u_s), whatever n. The factor 2 covers the spread of
+# |z| / std(z) that widens that band.
+JUMP_FACTOR = 2.0
+
+
 def storage_dtype(dtype: DType) -> np.dtype:
     """The NumPy dtype of activations, gradients, weights and bias."""
     return _STORAGE[DType(dtype)]
@@ -54,17 +62,21 @@ def compute_dtype(dtype: DType) -> np.dtype:
     return np.dtype(np.float64) if DType(dtype) is DType.FLOAT64 else np.dtype(np.float32)
 
 
-def tolerance(dtype: DType, reduction_length: int) -> float:
+def tolerance(dtype: DType, reduction_length: int, jump: bool = False) -> float:
     """Largest allowed `max|got - want| / max|want|` of a result against the float64 oracle.
 
     `reduction_length` is the longest sum behind the result: KH*KW*IC for the forward
     convolution, KH*KW*OC for backward-data, N*OH*OW for backward-filter, the bias
     gradient and batch-norm statistics. The bound is CONFIDENCE * (STORAGE_ROUNDINGS * u_s
-    + sqrt(n) * u_c) with u_s, u_c the unit roundoffs of the storage and compute types.
+    + sqrt(n) * u_c) with u_s, u_c the unit roundoffs of the storage and compute types,
+    plus JUMP_FACTOR * sqrt(u_s) for gradients through a derivative with a jump (`jump`).
     """
     dtype = DType(dtype)
     if reduction_length < 1:
         raise ValueError(f"reduction_length: expected an int >= 1, got {reduction_length!r}")
     u_s = UNIT_ROUNDOFF[dtype]
     u_c = UNIT_ROUNDOFF[DType.FLOAT64] if dtype is DType.FLOAT64 else UNIT_ROUNDOFF[DType.FLOAT32]
-    return CONFIDENCE * (STORAGE_ROUNDINGS * u_s + math.sqrt(reduction_length) * u_c)
+    tol = CONFIDENCE * (STORAGE_ROUNDINGS * u_s + math.sqrt(reduction_length) * u_c)
+    if jump:
+        tol += JUMP_FACTOR * math.sqrt(u_s)
+    return tol

@@ -1,0 +1,93 @@
+"""Reading the golden files and checking a layer of any backend and dtype against them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from conv2d.activations import JUMPING_DERIVATIVE
+from conv2d.dtypes import storage_dtype
+from conv2d.layer import Conv2d
+from conv2d.spec import DType, LayerSpec
+from conv2d.state import state_layout
+from conv2d.testing import assert_close, reduction_lengths
+
+GOLDEN_DIR = Path(__file__).resolve().parents[2] / "tests" / "golden"
+MODES = ("train", "eval")
+
+
+@dataclasses.dataclass(frozen=True)
+class GoldenCase:
+    name: str
+    spec: LayerSpec  # float64, as the oracle ran it
+    arrays: dict
+
+    def spec_as(self, dtype: DType | str) -> LayerSpec:
+        return dataclasses.replace(self.spec, dtype=dtype)
+
+    def state_as(self, dtype: DType | str) -> dict[str, np.ndarray]:
+        layout = state_layout(self.spec_as(dtype))
+        return {k: self.arrays[f"state.{k}"].astype(dt) for k, (_, dt) in layout.items()}
+
+
+def golden_files(directory: Path = GOLDEN_DIR) -> list[Path]:
+    return sorted(directory.glob("*.npz"))
+
+
+def load_case(path: Path) -> GoldenCase:
+    with np.load(path, allow_pickle=False) as f:
+        arrays = {k: f[k] for k in f.files}
+    spec = LayerSpec.from_dict(json.loads(arrays.pop("spec").tobytes().decode()))
+    return GoldenCase(path.stem, spec, arrays)
+
+
+def as_numpy(a: Any) -> np.ndarray:
+    """A host copy of a NumPy, numba, CuPy or torch array."""
+    if isinstance(a, np.ndarray):
+        return a
+    if hasattr(a, "copy_to_host"):
+        return a.copy_to_host()
+    if hasattr(a, "get"):
+        return a.get()
+    if hasattr(a, "detach"):
+        return a.detach().cpu().numpy()
+    raise TypeError(f"as_numpy: cannot copy a {type(a).__name__} to the host")
+
+
+def run_case(case: GoldenCase, dtype: DType | str, mode: str, backend: str = "reference",
+             **options: Any) -> dict[str, np.ndarray]:
+    """forward(training=mode == "train") then backward_full on the case's inputs at `dtype`."""
+    spec = case.spec_as(dtype)
+    layer = Conv2d(spec, backend, **options)
+    layer.load_state_dict(case.state_as(dtype))
+    st = storage_dtype(spec.dtype)
+    x = case.arrays["x"].astype(st)
+    d_y = case.arrays["d_y"].astype(st)
+    out = {"y": as_numpy(layer.forward(x, training=(mode == "train")))}
+    out["pre_activations"] = as_numpy(layer.pre_activations)
+    out["d_x"] = as_numpy(layer.backward_full(x, d_y))
+    out.update({f"grad.{k}": v for k, v in layer.grad_dict().items()})
+    state = layer.state_dict()
+    out.update({k: state[k] for k in ("running_mean", "running_var") if k in state})
+    return out
+
+
+def check_case(case: GoldenCase, got: dict[str, np.ndarray], dtype: DType | str, mode: str) -> None:
+    """Every result within the dtype's tolerance of the oracle's."""
+    lengths = reduction_lengths(case.spec)
+    jumps = case.spec.activation in JUMPING_DERIVATIVE
+    for key, value in got.items():
+        want = case.arrays[f"{mode}.{key}"]
+        name = key.removeprefix("grad.")
+        scale = 0.0
+        if name == "bias":
+            # sum_{n,h,w} d_z cancels to ~0 under training batch norm: measure against the
+            # size of what is summed.
+            scale = float(np.abs(case.arrays[f"{mode}.d_pre_activations"]).sum(axis=(0, 1, 2)).max())
+        is_grad = key.startswith("grad.") or key == "d_x"
+        assert_close(f"{case.name} {mode} {key}", value, want, dtype, lengths[name], scale,
+                     jump=jumps and is_grad)
