@@ -2,9 +2,10 @@
 
 import pytest
 
+from conftest import GOLDEN_DIR
 from conv2d.testing.golden import MODES, check_case, golden_files, load_case, run_case
 
-FILES = golden_files()
+FILES = golden_files(GOLDEN_DIR)
 DTYPES = ["float64", "float32", "float16", "bfloat16"]
 
 

@@ -16,7 +16,6 @@ from conv2d.spec import DType, LayerSpec
 from conv2d.state import state_layout
 from conv2d.testing import assert_close, reduction_lengths
 
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "tests" / "golden"
 MODES = ("train", "eval")
 
 
@@ -34,8 +33,9 @@ class GoldenCase:
         return {k: self.arrays[f"state.{k}"].astype(dt) for k, (_, dt) in layout.items()}
 
 
-def golden_files(directory: Path = GOLDEN_DIR) -> list[Path]:
-    return sorted(directory.glob("*.npz"))
+def golden_files(directory: Path) -> list[Path]:
+    """The golden files (made by scripts/make_golden.py) in `directory`, by name."""
+    return sorted(Path(directory).glob("*.npz"))
 
 
 def load_case(path: Path) -> GoldenCase:

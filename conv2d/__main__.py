@@ -1,0 +1,5 @@
+import sys
+
+from conv2d.cli import main
+
+sys.exit(main())

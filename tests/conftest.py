@@ -1,0 +1,37 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conv2d import Conv2d, LayerSpec
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+
+
+def make_layer(spec: LayerSpec, seed: int = 0, backend: str = "reference", **options) -> Conv2d:
+    """A layer with PyTorch-style random weights and non-trivial norm parameters."""
+    layer = Conv2d(spec, backend, **options)
+    rng = np.random.default_rng(seed)
+    layer.init_weights(rng)
+    state = layer.state_dict()
+    oc = spec.out_channels
+    for key, draw in (("gamma", lambda: rng.uniform(0.5, 1.5, oc)), ("beta", lambda: rng.uniform(-0.5, 0.5, oc)),
+                      ("running_mean", lambda: rng.normal(0, 0.2, oc)), ("running_var", lambda: rng.uniform(0.5, 2, oc))):
+        if key in state:
+            state[key] = draw().astype(state[key].dtype)
+    layer.load_state_dict(state)
+    return layer
+
+
+def random_inputs(spec: LayerSpec, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    from conv2d.dtypes import storage_dtype
+
+    rng = np.random.default_rng(seed)
+    st = storage_dtype(spec.dtype)
+    return rng.standard_normal(spec.input_shape).astype(st), rng.standard_normal(spec.output_shape).astype(st)
+
+
+@pytest.fixture
+def small_spec() -> LayerSpec:
+    return LayerSpec(batch_size=2, in_height=6, in_width=5, in_channels=3, out_channels=4, kernel=3,
+                     padding=1, activation="tanh", normalization="batch_norm", dtype="float64")

@@ -1,0 +1,76 @@
+"""The activation table: each f(x) and f'(x) against the design's formulas."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+from conv2d.activations import Activation, derivative, forward
+
+K_TANH = math.sqrt(2 / math.pi)
+K_ORIGINAL = 0.5 * math.sqrt(2 / math.pi)
+
+
+def _fast_tanh(x):
+    c = min(max(x, -3.0), 3.0)
+    return c * (27 + c * c) / (27 + 9 * c * c)
+
+
+# The table of DESIGN.md, one scalar at a time with Python's math module.
+FORMULAS = {
+    Activation.IDENTITY: lambda x: x,
+    Activation.RELU: lambda x: max(x, 0.0),
+    Activation.TANH: math.tanh,
+    Activation.SIGMOID: lambda x: 1 / (1 + math.exp(-x)),
+    Activation.FAST_TANH: _fast_tanh,
+    Activation.GELU_TANH: lambda x: 0.5 * x * (1 + math.tanh(K_TANH * (x + 0.044715 * x**3))),
+    Activation.GELU: lambda x: 0.5 * x * (1 + math.erf(x / math.sqrt(2))),
+    Activation.GELU_ORIGINAL: lambda x: 0.5 * x * (1 + math.tanh(K_ORIGINAL * (x + 0.044715 * x**3))),
+}
+# Points away from ReLU's kink at 0 and fast_tanh's clamp at +-3.
+GRID = np.array([-7.3, -3.4, -2.9, -1.1, -0.37, -0.01, 0.02, 0.45, 1.3, 2.8, 3.3, 6.1])
+
+
+@pytest.mark.parametrize("act", list(Activation))
+def test_forward_matches_the_formula(act):
+    want = np.array([FORMULAS[act](float(v)) for v in GRID])
+    np.testing.assert_allclose(forward(act, GRID), want, rtol=1e-14, atol=1e-15)
+
+
+@pytest.mark.parametrize("act", [a for a in Activation if a is not Activation.FAST_TANH])
+def test_derivative_is_the_exact_derivative(act):
+    h = 1e-6
+    numeric = np.array([(FORMULAS[act](v + h) - FORMULAS[act](v - h)) / (2 * h) for v in GRID])
+    np.testing.assert_allclose(derivative(act, GRID), numeric, rtol=1e-7, atol=1e-8)
+
+
+def test_fast_tanh_derivative_is_one_minus_its_square_as_the_original():
+    f = forward(Activation.FAST_TANH, GRID)
+    np.testing.assert_array_equal(derivative(Activation.FAST_TANH, GRID), 1 - f * f)
+
+
+def test_relu_derivative_at_zero_is_zero():
+    assert derivative(Activation.RELU, np.zeros(1))[0] == 0.0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("act", list(Activation))
+def test_dtype_is_preserved(act, dtype):
+    x = GRID.astype(dtype)
+    assert forward(act, x).dtype == dtype
+    assert derivative(act, x).dtype == dtype
+
+
+@pytest.mark.parametrize("act", list(Activation))
+def test_large_inputs_give_finite_values_without_warnings(act):
+    x = np.array([-1e4, -800.0, 800.0, 1e4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f, d = forward(act, x), derivative(act, x)
+    assert np.isfinite(f).all() and np.isfinite(d).all()
+
+
+@pytest.mark.parametrize("act", list(Activation))
+def test_nan_propagates_through_forward(act):
+    assert np.isnan(forward(act, np.array([np.nan]))[0])

@@ -1,0 +1,88 @@
+"""LayerSpec: derived sizes, normalisation of its fields, and validation."""
+
+import dataclasses
+
+import pytest
+
+from conv2d import Activation, DType, LayerSpec, Normalization
+
+BASE = dict(batch_size=2, in_height=8, in_width=6, in_channels=3, out_channels=4)
+
+
+@pytest.mark.parametrize("kernel, stride, padding, out_hw", [
+    (3, 1, 1, (8, 6)),
+    (3, 2, 0, (3, 2)),
+    ((3, 1), (2, 1), (1, 0), (4, 6)),
+    (8, 4, 2, (2, 1)),
+    (1, 1, 0, (8, 6)),
+])
+def test_output_size_is_floor_of_padded_extent_over_stride(kernel, stride, padding, out_hw):
+    spec = LayerSpec(**BASE, kernel=kernel, stride=stride, padding=padding)
+    assert (spec.out_height, spec.out_width) == out_hw
+    assert spec.output_shape == (2, *out_hw, 4)
+
+
+def test_int_and_pair_fields_are_stored_as_pairs():
+    a = LayerSpec(**BASE, kernel=3, stride=2, padding=1)
+    b = LayerSpec(**BASE, kernel=(3, 3), stride=[2, 2], padding=(1, 1))
+    assert a == b and a.kernel == (3, 3) and a.stride == (2, 2) and a.padding == (1, 1)
+
+
+def test_names_become_enums():
+    spec = LayerSpec(**BASE, activation="gelu", normalization="layer_norm", dtype="bfloat16")
+    assert spec.activation is Activation.GELU
+    assert spec.normalization is Normalization.LAYER_NORM
+    assert spec.dtype is DType.BFLOAT16
+
+
+def test_spec_is_frozen_and_hashable():
+    spec = LayerSpec(**BASE)
+    assert hash(spec) == hash(LayerSpec(**BASE))
+    assert {spec: 1}[LayerSpec(**BASE)] == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.batch_size = 3
+
+
+def test_replace_validates_again():
+    spec = LayerSpec(**BASE)
+    assert dataclasses.replace(spec, dtype="float16").dtype is DType.FLOAT16
+    with pytest.raises(ValueError, match="bn_momentum"):
+        dataclasses.replace(spec, bn_momentum=2.0)
+
+
+def test_to_dict_round_trips():
+    spec = LayerSpec(**BASE, kernel=(3, 1), stride=2, activation="relu", normalization="batch_norm",
+                     bn_momentum=0.2, bn_epsilon=1e-3, dtype="float16")
+    assert LayerSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(ValueError, match="unknown fields.*dilation"):
+        LayerSpec.from_dict({**LayerSpec(**BASE).to_dict(), "dilation": 2})
+
+
+@pytest.mark.parametrize("changes, field, rule", [
+    (dict(batch_size=0), "batch_size", ">= 1"),
+    (dict(in_height=-1), "in_height", ">= 1"),
+    (dict(in_width=2.0), "in_width", "int"),
+    (dict(in_channels=True), "in_channels", "int"),
+    (dict(out_channels=0), "out_channels", ">= 1"),
+    (dict(kernel=0), "kernel", ">= 1"),
+    (dict(kernel=(3, 3, 3)), "kernel", "pair"),
+    (dict(kernel=9), "kernel", "larger than the padded input"),
+    (dict(kernel=(3, 9), padding=1), "kernel", "width 9 is larger"),
+    (dict(stride=0), "stride", ">= 1"),
+    (dict(padding=-1), "padding", ">= 0"),
+    (dict(activation="swish"), "activation", "one of"),
+    (dict(normalization="group_norm"), "normalization", "one of"),
+    (dict(dtype="int8"), "dtype", "one of"),
+    (dict(bn_momentum=1.5), "bn_momentum", r"\[0, 1\]"),
+    (dict(bn_momentum=-0.1), "bn_momentum", r"\[0, 1\]"),
+    (dict(bn_epsilon=0.0), "bn_epsilon", "> 0"),
+    (dict(bn_epsilon=float("nan")), "bn_epsilon", "> 0"),
+    (dict(bn_epsilon=float("inf")), "bn_epsilon", "finite"),
+])
+def test_invalid_field_raises_value_error_naming_field_value_and_rule(changes, field, rule):
+    with pytest.raises(ValueError, match=rf"LayerSpec\.{field}:.*{rule}") as info:
+        LayerSpec(**{**BASE, **changes})
+    assert repr(next(iter(changes.values()))) in str(info.value) or "larger" in str(info.value)
