@@ -38,6 +38,11 @@ UNIT_ROUNDOFF = {
 # the two convolution gradients, and the result itself.
 STORAGE_ROUNDINGS = 6
 
+# Elementwise operations, each one rounding in the compute type, on the longest chain
+# outside the sums: bias add, the norm's centring, scaling and affine, an activation and
+# its derivative (a tanh or erf and about ten products), the norm's backward (six more).
+ELEMENTWISE_ROUNDINGS = 32
+
 # Confidence factor of the probabilistic bound (Higham & Mary, SIAM J. Sci. Comput. 2019):
 # a length-n sum in precision u errs by at most lam*sqrt(n)*u relative to the sum of
 # magnitudes with probability >= 1 - 2*exp(-lam^2 / 2); lam = 6 leaves ~3e-8 per element.
@@ -68,7 +73,8 @@ def tolerance(dtype: DType, reduction_length: int, jump: bool = False) -> float:
     `reduction_length` is the longest sum behind the result: KH*KW*IC for the forward
     convolution, KH*KW*OC for backward-data, N*OH*OW for backward-filter, the bias
     gradient and batch-norm statistics. The bound is CONFIDENCE * (STORAGE_ROUNDINGS * u_s
-    + sqrt(n) * u_c) with u_s, u_c the unit roundoffs of the storage and compute types,
+    + (ELEMENTWISE_ROUNDINGS + sqrt(n)) * u_c) with u_s, u_c the unit roundoffs of the
+    storage and compute types,
     plus JUMP_FACTOR * sqrt(u_s) for gradients through a derivative with a jump (`jump`).
     """
     dtype = DType(dtype)
@@ -76,7 +82,7 @@ def tolerance(dtype: DType, reduction_length: int, jump: bool = False) -> float:
         raise ValueError(f"reduction_length: expected an int >= 1, got {reduction_length!r}")
     u_s = UNIT_ROUNDOFF[dtype]
     u_c = UNIT_ROUNDOFF[DType.FLOAT64] if dtype is DType.FLOAT64 else UNIT_ROUNDOFF[DType.FLOAT32]
-    tol = CONFIDENCE * (STORAGE_ROUNDINGS * u_s + math.sqrt(reduction_length) * u_c)
+    tol = CONFIDENCE * (STORAGE_ROUNDINGS * u_s + (ELEMENTWISE_ROUNDINGS + math.sqrt(reduction_length)) * u_c)
     if jump:
         tol += JUMP_FACTOR * math.sqrt(u_s)
     return tol

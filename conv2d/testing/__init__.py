@@ -23,11 +23,33 @@ def reduction_lengths(spec: LayerSpec) -> dict[str, int]:
             "running_mean": norm, "running_var": norm}
 
 
+def cancellation_scales(spec: LayerSpec, training: bool, x: np.ndarray,
+                        d_pre: np.ndarray) -> dict[str, float]:
+    """Denominators for results that cancel by construction, else nothing.
+
+    When the norm's statistics come from the batch itself (batch norm in training, layer
+    norm always), d_z sums to zero over what was normalised, so the bias gradient
+    sum(d_z) and the weight gradient sum(d_z * x) are small differences of large terms.
+    Their rounding error scales with the sum of the terms' magnitudes (Higham's bound), so
+    that is what they are measured against: max over channels of sum |d_z|, and the
+    largest entry of backward_filter(|x|, |d_z|). `d_pre` is the oracle's d_z.
+    """
+    from conv2d.reference.conv import conv_backward_filter
+
+    batch_stats = spec.normalization.value == "layer_norm" or (
+        spec.normalization.value == "batch_norm" and training)
+    if not batch_stats:
+        return {}
+    d_abs = np.abs(np.asarray(d_pre, dtype=np.float64))
+    x_abs = np.abs(np.asarray(x).astype(np.float64))
+    return {"bias": float(d_abs.sum(axis=(0, 1, 2)).max()),
+            "weights": float(conv_backward_filter(x_abs, d_abs, spec.kernel, spec.stride, spec.padding).max())}
+
+
 def relative_error(got: np.ndarray, want: np.ndarray, scale: float = 0.0) -> float:
     """max|got - want| / max(max|want|, scale), in float64.
 
-    `scale` is for results that cancel to about zero (the bias gradient under training batch
-    norm): pass the size of the terms summed, e.g. max over channels of sum |d_z|. When the
+    `scale` is for results that cancel by construction (see `cancellation_scales`). When the
     denominator is zero the answer is 0 for an exact match and 1 otherwise.
     """
     got = np.asarray(got).astype(np.float64)

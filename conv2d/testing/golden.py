@@ -14,7 +14,7 @@ from conv2d.dtypes import storage_dtype
 from conv2d.layer import Conv2d
 from conv2d.spec import DType, LayerSpec
 from conv2d.state import state_layout
-from conv2d.testing import assert_close, reduction_lengths
+from conv2d.testing import assert_close, cancellation_scales, reduction_lengths
 
 MODES = ("train", "eval")
 
@@ -80,14 +80,12 @@ def check_case(case: GoldenCase, got: dict[str, np.ndarray], dtype: DType | str,
     """Every result within the dtype's tolerance of the oracle's."""
     lengths = reduction_lengths(case.spec)
     jumps = case.spec.activation in JUMPING_DERIVATIVE
+    scales = cancellation_scales(case.spec, mode == "train", case.arrays["x"],
+                                 case.arrays[f"{mode}.d_pre_activations"])
     for key, value in got.items():
         want = case.arrays[f"{mode}.{key}"]
         name = key.removeprefix("grad.")
-        scale = 0.0
-        if name == "bias":
-            # sum_{n,h,w} d_z cancels to ~0 under training batch norm: measure against the
-            # size of what is summed.
-            scale = float(np.abs(case.arrays[f"{mode}.d_pre_activations"]).sum(axis=(0, 1, 2)).max())
+        scale = scales.get(name, 0.0) if key.startswith("grad.") else 0.0
         is_grad = key.startswith("grad.") or key == "d_x"
         assert_close(f"{case.name} {mode} {key}", value, want, dtype, lengths[name], scale,
                      jump=jumps and is_grad)

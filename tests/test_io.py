@@ -1,0 +1,158 @@
+"""save/load and the PyTorch layout conversion."""
+
+import dataclasses
+import json
+import zipfile
+
+import numpy as np
+import pytest
+
+import conv2d
+from conftest import make_layer, random_inputs
+from conv2d import LayerSpec
+from conv2d.torch_layout import state_from_torch, state_to_torch, weights_from_torch, weights_to_torch
+
+SPEC = LayerSpec(batch_size=2, in_height=6, in_width=5, in_channels=3, out_channels=4, kernel=(3, 2),
+                 stride=(2, 1), padding=1, activation="gelu", normalization="batch_norm", dtype="float32")
+
+
+def saved(tmp_path, spec=SPEC):
+    layer = make_layer(spec)
+    path = tmp_path / "layer.npz"
+    conv2d.save(layer, path)
+    return layer, path
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("norm", ["none", "batch_norm", "layer_norm"])
+def test_save_then_load_gives_the_same_spec_state_and_outputs(tmp_path, norm, dtype):
+    spec = dataclasses.replace(SPEC, normalization=norm, dtype=dtype)
+    layer, path = saved(tmp_path, spec)
+    loaded = conv2d.load(path)
+    assert loaded.spec == spec
+    for k, v in layer.state_dict().items():
+        got = loaded.state_dict()[k]
+        assert got.dtype == v.dtype
+        np.testing.assert_array_equal(got.view(np.uint8), v.view(np.uint8), err_msg=k)
+    x, _ = random_inputs(spec)
+    np.testing.assert_array_equal(loaded.evaluate(x), layer.evaluate(x))
+
+
+def test_load_into_an_existing_layer_replaces_its_state(tmp_path):
+    layer, path = saved(tmp_path)
+    other = make_layer(SPEC, seed=9)
+    assert conv2d.load(path, into=other) is other
+    np.testing.assert_array_equal(other.state_dict()["weights"], layer.state_dict()["weights"])
+
+
+def test_load_into_a_layer_of_another_spec_raises_and_leaves_it(tmp_path):
+    _, path = saved(tmp_path)
+    other = make_layer(dataclasses.replace(SPEC, out_channels=5))
+    before = other.state_dict()
+    with pytest.raises(ValueError, match="does not match the layer's"):
+        conv2d.load(path, into=other)
+    np.testing.assert_array_equal(other.state_dict()["weights"], before["weights"])
+
+
+def test_a_truncated_file_raises_a_clear_error(tmp_path):
+    _, path = saved(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="not a readable conv2d file"):
+        conv2d.load(path)
+
+
+def _rewrite(path, change):
+    with np.load(path) as f:
+        arrays = {k: f[k].copy() for k in f.files}
+    change(arrays)
+    with open(path, "wb") as out:
+        np.savez(out, **arrays)
+
+
+def test_a_tampered_array_fails_its_checksum(tmp_path):
+    _, path = saved(tmp_path)
+
+    def change(a):
+        a["state.weights"][0, 0, 0, 0] += 1
+    _rewrite(path, change)
+    with pytest.raises(ValueError, match="array 'weights': checksum mismatch"):
+        conv2d.load(path)
+
+
+def test_a_tampered_spec_is_reported(tmp_path):
+    _, path = saved(tmp_path)
+
+    def change(a):
+        header = json.loads(a["header"].tobytes())
+        header["spec"]["kernel"] = [0, 0]
+        a["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    _rewrite(path, change)
+    with pytest.raises(ValueError, match="invalid spec in header: LayerSpec.kernel"):
+        conv2d.load(path)
+
+
+def test_a_missing_array_is_reported(tmp_path):
+    _, path = saved(tmp_path)
+    _rewrite(path, lambda a: a.pop("state.gamma"))
+    with pytest.raises(ValueError, match="header lists arrays"):
+        conv2d.load(path)
+
+
+def test_a_file_of_another_kind_is_rejected(tmp_path):
+    path = tmp_path / "other.npz"
+    np.savez(path, a=np.zeros(3))
+    with pytest.raises(ValueError, match="missing or unreadable header"):
+        conv2d.load(path)
+    path.write_text("hello")
+    with pytest.raises(ValueError, match="not a readable conv2d file"):
+        conv2d.load(path)
+
+
+def test_a_missing_file_raises_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        conv2d.load(tmp_path / "nope.npz")
+
+
+def test_the_file_is_a_plain_npz_with_a_json_header(tmp_path):
+    layer, path = saved(tmp_path)
+    with zipfile.ZipFile(path) as z:
+        assert sorted(z.namelist()) == sorted(["header.npy"] + [f"state.{k}.npy" for k in layer.state_dict()])
+    with np.load(path) as f:
+        header = json.loads(f["header"].tobytes())
+    assert header["format"] == "conv2d" and header["version"] == 1
+    assert LayerSpec.from_dict(header["spec"]) == SPEC
+
+
+def test_weights_layout_round_trips():
+    w = np.arange(2 * 3 * 4 * 5, dtype=np.float32).reshape(2, 3, 4, 5)  # (OC, KH, KW, IC)
+    t = weights_to_torch(w)
+    assert t.shape == (2, 5, 3, 4) and t[1, 4, 2, 3] == w[1, 2, 3, 4]
+    np.testing.assert_array_equal(weights_from_torch(t), w)
+
+
+def test_state_names_round_trip_and_num_batches_tracked_is_ignored():
+    state = make_layer(SPEC).state_dict()
+    t = state_to_torch(state)
+    assert set(t) == {"conv.weight", "conv.bias", "norm.weight", "norm.bias", "norm.running_mean", "norm.running_var"}
+    back = state_from_torch({**t, "norm.num_batches_tracked": np.array(3)})
+    for k, v in state.items():
+        np.testing.assert_array_equal(back[k], v)
+
+
+def test_torch_modules_loaded_from_our_state_compute_our_eval_output():
+    torch = pytest.importorskip("torch", reason="PyTorch (the oracle) is not installed")
+    spec = dataclasses.replace(SPEC, dtype="float64")
+    layer = make_layer(spec)
+    t = state_to_torch(layer.state_dict())
+    conv = torch.nn.Conv2d(3, 4, spec.kernel, spec.stride, spec.padding).double()
+    bn = torch.nn.BatchNorm2d(4, eps=spec.bn_epsilon).double().eval()
+    conv.load_state_dict({k.split(".")[1]: torch.from_numpy(v) for k, v in t.items() if k.startswith("conv.")})
+    bn.load_state_dict({k.split(".")[1]: torch.from_numpy(v) for k, v in t.items() if k.startswith("norm.")}, strict=False)
+    x, _ = random_inputs(spec)
+    with torch.no_grad():
+        want = torch.nn.functional.gelu(bn(conv(torch.from_numpy(x).permute(0, 3, 1, 2)))).permute(0, 2, 3, 1).numpy()
+    np.testing.assert_allclose(layer.evaluate(x), want, rtol=1e-12, atol=1e-12)
+    back = state_from_torch({**{f"conv.{k}": v for k, v in conv.state_dict().items()},
+                             **{f"norm.{k}": v for k, v in bn.state_dict().items()}})
+    np.testing.assert_array_equal(back["weights"], layer.state_dict()["weights"])
