@@ -49,8 +49,8 @@ class ReferenceBackend:
     def _pre_activations(self, x: np.ndarray) -> np.ndarray:
         """conv(x, W) + b, (N, OH, OW, OC), rounded to the storage dtype."""
         s = self.spec
-        z = conv.conv_forward(x.astype(self.ct), self.params["weights"].astype(self.ct), s.stride, s.padding)
-        z += self.params["bias"].astype(self.ct)
+        z = conv.conv_forward(x.astype(self.ct, copy=False), self.params["weights"].astype(self.ct, copy=False), s.stride, s.padding)
+        z += self.params["bias"].astype(self.ct, copy=False)
         return z.astype(self.st, copy=False)
 
     def _statistics(self, z: np.ndarray, training: bool) -> tuple[np.ndarray, np.ndarray, bool]:
@@ -77,7 +77,7 @@ class ReferenceBackend:
     def _run(self, x: Any, training: bool, keep: bool) -> np.ndarray:
         x = self._input(x)
         pre = self._pre_activations(x)
-        z = pre.astype(self.ct)
+        z = pre.astype(self.ct, copy=False)
         mean = inv_std = None
         from_batch = False
         if self.spec.normalization is not Normalization.NONE:
@@ -97,9 +97,9 @@ class ReferenceBackend:
     # Backward ------------------------------------------------------------------------------
     def _grad_pre_activations(self, d_y: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """d_z (N, OH, OW, OC) in the compute dtype, and the norm's parameter gradients."""
-        z = self._pre.astype(self.ct)
+        z = self._pre.astype(self.ct, copy=False)
         a, x_hat = self._activation_input(z, self._mean, self._inv_std)
-        d_a = d_y.astype(self.ct) * activations.derivative(self.spec.activation, a)
+        d_a = d_y.astype(self.ct, copy=False) * activations.derivative(self.spec.activation, a)
         if self.spec.normalization is Normalization.NONE:
             return d_a, {}
         d_gamma, d_beta = norm.param_backward(d_a, x_hat)
@@ -122,16 +122,16 @@ class ReferenceBackend:
         d_z_stored = d_z.astype(self.st, copy=False).astype(self.ct, copy=False)
         d_x = None
         if input_grad:
-            w = self.params["weights"].astype(self.ct)
+            w = self.params["weights"].astype(self.ct, copy=False)
             d_x = conv.conv_backward_data(w, d_z_stored, (s.in_height, s.in_width), s.stride, s.padding)
             d_x = d_x.astype(self.st, copy=False)
         if param_grads:
             new = dict(norm_grads)
             new["bias"] = conv.bias_backward(d_z)
-            new["weights"] = conv.conv_backward_filter(x.astype(self.ct), d_z_stored, s.kernel, s.stride, s.padding)
+            new["weights"] = conv.conv_backward_filter(x.astype(self.ct, copy=False), d_z_stored, s.kernel, s.stride, s.padding)
             for k, g in new.items():
                 acc = self.grads[k]
-                self.grads[k] = (acc.astype(self.ct) + g).astype(acc.dtype, copy=False)
+                self.grads[k] = (acc.astype(self.ct, copy=False) + g).astype(acc.dtype, copy=False)
         return d_x
 
     # State ---------------------------------------------------------------------------------

@@ -1,0 +1,28 @@
+"""The benchmark layers of shared/BENCH.md, shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+from conv2d.spec import LayerSpec
+
+# name -> (N, H, W, C, OC, K, S, P)
+SHAPES = {
+    "tiny_latency": (1, 16, 16, 3, 8, 3, 1, 1),
+    "rl_dqn_l1": (256, 84, 84, 4, 32, 8, 4, 0),
+    "rl_small": (64, 32, 32, 16, 32, 3, 1, 1),
+    "resnet_56": (128, 56, 56, 64, 64, 3, 1, 1),
+    "resnet_28": (256, 28, 28, 128, 128, 3, 1, 1),
+}
+
+
+def bench_spec(name: str, batch_norm: bool, dtype: str, batch_size: int | None = None) -> LayerSpec:
+    n, h, w, c, oc, k, s, p = SHAPES[name]
+    return LayerSpec(batch_size=batch_size or n, in_height=h, in_width=w, in_channels=c, out_channels=oc,
+                     kernel=k, stride=s, padding=p, activation="relu",
+                     normalization="batch_norm" if batch_norm else "none", dtype=dtype)
+
+
+def flops(spec: LayerSpec) -> dict[str, float]:
+    """Multiply-adds x 2 of the three convolutions of a step."""
+    kh, kw = spec.kernel
+    conv = 2.0 * spec.batch_size * spec.out_height * spec.out_width * spec.out_channels * kh * kw * spec.in_channels
+    return {"forward": conv, "step": 3 * conv}
