@@ -99,7 +99,8 @@ class ReferenceBackend:
         """d_z (N, OH, OW, OC) in the compute dtype, and the norm's parameter gradients."""
         z = self._pre.astype(self.ct, copy=False)
         a, x_hat = self._activation_input(z, self._mean, self._inv_std)
-        d_a = d_y.astype(self.ct, copy=False) * activations.derivative(self.spec.activation, a)
+        d_a = activations.derivative(self.spec.activation, a)
+        d_a *= d_y.astype(self.ct, copy=False)
         if self.spec.normalization is Normalization.NONE:
             return d_a, {}
         d_gamma, d_beta = norm.param_backward(d_a, x_hat)

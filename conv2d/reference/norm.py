@@ -23,8 +23,8 @@ def statistics(z: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, np.nda
     """Mean and biased variance over `axes`, two passes (mean, then mean squared deviation)."""
     mean = z.mean(axis=axes)
     dev = z - expand(mean, axes)
-    var = (dev * dev).mean(axis=axes)
-    return mean, var
+    dev *= dev
+    return mean, dev.mean(axis=axes)
 
 
 def inverse_std(var: np.ndarray, epsilon: float) -> np.ndarray:
@@ -34,12 +34,18 @@ def inverse_std(var: np.ndarray, epsilon: float) -> np.ndarray:
 def normalize(z: np.ndarray, mean: np.ndarray, inv_std: np.ndarray,
               axes: tuple[int, ...]) -> np.ndarray:
     """x_hat = (z - mean) * inv_std, same shape as `z`."""
-    return (z - expand(mean, axes)) * expand(inv_std, axes)
+    # In place on one new array: these run over the whole activation tensor, where each
+    # temporary costs a pass and fresh pages.
+    x_hat = z - expand(mean, axes)
+    x_hat *= expand(inv_std, axes)
+    return x_hat
 
 
 def affine(x_hat: np.ndarray, gamma: np.ndarray, beta: np.ndarray) -> np.ndarray:
     """gamma * x_hat + beta, per channel (the last axis)."""
-    return x_hat * gamma + beta
+    a = x_hat * gamma
+    a += beta
+    return a
 
 
 def update_running(running: np.ndarray, batch_stat: np.ndarray, momentum: float) -> np.ndarray:
@@ -61,9 +67,12 @@ def backward_batch_statistics(d_out: np.ndarray, x_hat: np.ndarray, inv_std: np.
     With g = d_out * gamma: d_z = inv_std * (g - mean(g) - x_hat * mean(g * x_hat)).
     """
     g = d_out * gamma
-    mean_g = g.mean(axis=axes)
-    mean_gx = (g * x_hat).mean(axis=axes)
-    return expand(inv_std, axes) * (g - expand(mean_g, axes) - x_hat * expand(mean_gx, axes))
+    mean_g = g.mean(axis=axes, keepdims=True)
+    mean_gx = (g * x_hat).mean(axis=axes, keepdims=True)
+    g -= mean_g
+    g -= x_hat * mean_gx
+    g *= expand(inv_std, axes)
+    return g
 
 
 def backward_fixed_statistics(d_out: np.ndarray, inv_std: np.ndarray, gamma: np.ndarray,
