@@ -105,6 +105,16 @@ class Conv2d:
         """Replace the accumulated gradients (checked as `load_state_dict` checks, NaN allowed)."""
         self._impl.set_grads(check_arrays("grads", grads, grad_layout(self.spec), finite=False))
 
+    def freeze(self) -> None:
+        """CUDA backend: forbid device allocation from now on (for CUDA graph capture).
+        The cuDNN workspace may no longer grow (a clear error if it would have to), NumPy
+        inputs are refused (they need a device copy), and outputs go to layer-owned buffers
+        that the next call of the same operation overwrites."""
+        freeze = getattr(self._impl, "freeze", None)
+        if freeze is None:
+            raise TypeError(f"freeze: the {self.backend!r} backend allocates with NumPy and has nothing to freeze")
+        freeze()
+
     @property
     def pre_activations(self) -> Any:
         """conv(x, W) + b of the last `forward`, (N, OH, OW, OC), or None before any."""

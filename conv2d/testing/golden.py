@@ -45,17 +45,22 @@ def load_case(path: Path) -> GoldenCase:
     return GoldenCase(path.stem, spec, arrays)
 
 
-def as_numpy(a: Any) -> np.ndarray:
-    """A host copy of a NumPy, numba, CuPy or torch array."""
+def as_numpy(a: Any, dtype: np.dtype | None = None) -> np.ndarray:
+    """A host copy of a NumPy, numba, CuPy or torch array; with `dtype` bfloat16, device
+    arrays of uint16 bits (the CUDA backend's bfloat16) are viewed as bfloat16."""
     if isinstance(a, np.ndarray):
-        return a
-    if hasattr(a, "copy_to_host"):
-        return a.copy_to_host()
-    if hasattr(a, "get"):
-        return a.get()
-    if hasattr(a, "detach"):
-        return a.detach().cpu().numpy()
-    raise TypeError(f"as_numpy: cannot copy a {type(a).__name__} to the host")
+        out = a
+    elif hasattr(a, "copy_to_host"):
+        out = a.copy_to_host()
+    elif hasattr(a, "get"):
+        out = a.get()
+    elif hasattr(a, "detach"):
+        out = a.detach().cpu().numpy()
+    else:
+        raise TypeError(f"as_numpy: cannot copy a {type(a).__name__} to the host")
+    if dtype is not None and out.dtype == np.uint16 and np.dtype(dtype) == storage_dtype(DType.BFLOAT16):
+        out = out.view(dtype)
+    return out
 
 
 def run_case(case: GoldenCase, dtype: DType | str, mode: str, backend: str = "reference",
@@ -67,9 +72,9 @@ def run_case(case: GoldenCase, dtype: DType | str, mode: str, backend: str = "re
     st = storage_dtype(spec.dtype)
     x = case.arrays["x"].astype(st)
     d_y = case.arrays["d_y"].astype(st)
-    out = {"y": as_numpy(layer.forward(x, training=(mode == "train")))}
-    out["pre_activations"] = as_numpy(layer.pre_activations)
-    out["d_x"] = as_numpy(layer.backward_full(x, d_y))
+    out = {"y": as_numpy(layer.forward(x, training=(mode == "train")), st)}
+    out["pre_activations"] = as_numpy(layer.pre_activations, st)
+    out["d_x"] = as_numpy(layer.backward_full(x, d_y), st)
     out.update({f"grad.{k}": v for k, v in layer.grad_dict().items()})
     state = layer.state_dict()
     out.update({k: state[k] for k in ("running_mean", "running_var") if k in state})

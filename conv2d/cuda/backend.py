@@ -1,0 +1,257 @@
+"""The CUDA backend: the layer's operations in the design's order, on one GPU stream.
+
+cuDNN (conv2d/cuda/cudnn.py) runs the three convolutions; the numba kernels
+(conv2d/cuda/kernels.py) the norm, activation and bias gradient. Every launch and copy
+goes on the layer's stream (its own, or the caller's), which the cuDNN handle shares.
+The method list mirrors conv2d/reference/backend.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from conv2d.cuda import cudnn, kernels as K
+from conv2d.cuda.runtime import (as_stream, device_dtype, device_input, from_device_bits, numba_cuda,
+                                 require_gpu, stream_handle, to_device_bits)
+from conv2d.dtypes import storage_dtype
+from conv2d.spec import DType, LayerSpec, Normalization
+from conv2d.state import grad_layout, initial_state, state_layout
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, spec: LayerSpec, stream: Any = None, allow_tf32: bool = False,
+                 convolutions: Any = None) -> None:
+        """`stream`: the caller's stream (numba, torch or cupy stream, or a CUstream int);
+        a new one by default. `allow_tf32`: let float32 convolutions use TF32 tensor cores.
+        `convolutions`: a stand-in for cuDNN with `cudnn.Convolutions`' methods (tests use
+        one in numba's simulator, where cuDNN cannot run)."""
+        if spec.dtype is DType.FLOAT64:
+            raise ValueError("dtype: float64 is the reference backend's oracle type; the CUDA backend takes "
+                             "float32, float16 or bfloat16")
+        if not isinstance(allow_tf32, bool):
+            raise TypeError(f"allow_tf32: expected a bool, got {allow_tf32!r}")
+        cuda = numba_cuda() if convolutions is not None else require_gpu()
+        self.cuda = cuda
+        self.spec = spec
+        self.stream = as_stream(cuda, stream)
+        norm = spec.normalization
+        self.relu_fusion = norm is Normalization.NONE and spec.activation.value == "relu"
+        if convolutions is None:
+            convolutions = cudnn.Convolutions(cuda, spec, stream_handle(self.stream), cuda.get_current_device().id,
+                                              allow_tf32, self.relu_fusion)
+        self.conv = convolutions
+        self.k = K.kernel_set(spec.dtype.value, spec.activation, spec.normalization)
+        self.dev_dt = device_dtype(spec.dtype)
+        self.st = storage_dtype(spec.dtype)
+
+        n, oh, ow, oc = spec.output_shape
+        self.M, self.C, self.S = n * oh * ow, oc, oh * ow * oc
+        self.total = self.M * self.C
+        self.groups = {Normalization.BATCH_NORM: oc, Normalization.LAYER_NORM: n}.get(norm, 1)
+        self.P = K.column_partition(self.M)
+        self.Q = K.segment_partition(self.S)
+        f32 = np.float32
+        alloc = cuda.device_array
+        self.params = {k: alloc(int(np.prod(shape)), self._dt(dt)) for k, (shape, dt) in state_layout(spec).items()}
+        self.grads = {k: alloc(int(np.prod(shape)), self._dt(dt)) for k, (shape, dt) in grad_layout(spec).items()}
+        self.set_state(initial_state(spec))
+        self.zero_gradient()
+        # Forward caches (kept by forward) and the same for evaluate, which keeps nothing.
+        self._pre = alloc(self.total, self.dev_dt)
+        self._stats = (alloc(self.groups, f32), alloc(self.groups, f32))
+        self._eval_pre = None
+        self._eval_stats = (alloc(self.groups, f32), alloc(self.groups, f32))
+        self._have_cache = False
+        self._batch_stats = False
+        self._dummy = alloc(1, f32)  # stands for absent norm arrays in kernel arguments
+        # Reduction scratch: partials for channels (P, C) and samples (Q, N); totals.
+        self._col = (alloc(self.P * oc, f32), alloc(self.P * oc, f32))
+        self._seg = (alloc(self.Q * n, f32), alloc(self.Q * n, f32))
+        self._sums_col = alloc(2 * oc, f32)
+        self._sums_seg = alloc(2 * n, f32)
+        self._d_z = alloc(self.total, self.dev_dt)
+        self._d_w = alloc(int(np.prod(spec.weight_shape)), f32)
+        self._frozen = False
+        self._outputs = None
+
+    def _dt(self, dt: np.dtype) -> np.dtype:
+        return self.dev_dt if dt == self.st else dt
+
+    # Memory --------------------------------------------------------------------------------
+    def freeze(self) -> None:
+        """Forbid allocation from now on: the workspace may not grow, and outputs are written
+        into layer-owned buffers (y, d_x) that the next call of the same operation reuses."""
+        alloc = self.cuda.device_array
+        self._outputs = {"y": alloc(self.spec.output_shape, self.dev_dt),
+                         "d_x": alloc(self.spec.input_shape, self.dev_dt)}
+        if self._eval_pre is None:
+            self._eval_pre = alloc(self.total, self.dev_dt)
+        self._frozen = True
+        self.conv.frozen = True
+
+    def _output(self, name: str, shape: tuple[int, ...]):
+        if self._outputs is not None:
+            return self._outputs[name]
+        return self.cuda.device_array(shape, self.dev_dt, stream=self.stream)
+
+    def _input(self, name: str, a: Any, shape: tuple[int, ...]):
+        if self._frozen and isinstance(a, np.ndarray):
+            raise RuntimeError(f"{name}: the layer is frozen; pass a device array (a NumPy array would be "
+                               f"copied into newly allocated device memory)")
+        return device_input(self.cuda, name, a, shape, self.spec.dtype, self.stream)
+
+    # Launch helpers ------------------------------------------------------------------------
+    def _elementwise(self, kernel, *args) -> None:
+        blocks, threads = K.elementwise_grid(self.total)
+        kernel[blocks, threads, self.stream](*args)
+
+    def _column_sums(self, kind: int, z, d_y, mean, inv_std) -> Any:
+        """Per-channel totals (sums[0:C], sums[C:2C]) of a column reduction."""
+        gamma, beta = self._gamma_beta()
+        grid = (-(-self.C // K.COL_X), self.P)
+        self.k.column_partials[kind][grid, (K.COL_X, K.COL_Y), self.stream](
+            z, d_y, mean, inv_std, gamma, beta, self.M, self.C, self.S, *self._col)
+        self.k.partials_final[self.C, K.WARP, self.stream](*self._col, self.P, self.C, self._sums_col)
+        return self._sums_col
+
+    def _segment_sums(self, kind: int, z, d_y, mean, inv_std) -> Any:
+        """Per-sample totals (sums[0:N], sums[N:2N]) of a segment reduction."""
+        gamma, beta = self._gamma_beta()
+        n = self.spec.batch_size
+        self.k.segment_partials[kind][(n, self.Q), K.SEG_THREADS, self.stream](
+            z, d_y, mean, inv_std, gamma, beta, self.C, self.S, *self._seg)
+        self.k.partials_final[n, K.WARP, self.stream](*self._seg, self.Q, n, self._sums_seg)
+        return self._sums_seg
+
+    def _gamma_beta(self):
+        if self.spec.normalization is Normalization.NONE:
+            return self._dummy, self._dummy
+        return self.params["gamma"], self.params["beta"]
+
+    # Forward -------------------------------------------------------------------------------
+    def _statistics(self, z, stats, training: bool) -> bool:
+        """Fill stats = (mean, inv_std); returns whether they came from the batch."""
+        s, norm = self.spec, self.spec.normalization
+        mean, inv_std = stats
+        if norm is Normalization.NONE:
+            return False
+        eps, mom = np.float32(s.bn_epsilon), np.float32(s.bn_momentum)
+        if norm is Normalization.BATCH_NORM and not training:
+            self.k.running_stats[K.small_grid(self.C) + (self.stream,)](
+                self.params["running_mean"], self.params["running_var"], eps, mean, inv_std)
+            return False
+        if norm is Normalization.BATCH_NORM:
+            sums, count, rm, rv = (self._column_sums(K.SUM_STATS, z, z, self._dummy, self._dummy), self.M,
+                                   self.params["running_mean"], self.params["running_var"])
+        else:
+            sums, count, rm, rv = (self._segment_sums(K.SUM_STATS, z, z, self._dummy, self._dummy), self.S,
+                                   self._dummy, self._dummy)
+        G = self.groups
+        self.k.stats_final[K.small_grid(G) + (self.stream,)](sums, z, self.S, np.float32(count), eps, mom, mean,
+                                                       inv_std, rm, rv, norm is Normalization.BATCH_NORM)
+        return True
+
+    def _run(self, x: Any, training: bool, keep: bool):
+        s = self.spec
+        x = self._input("x", x, s.input_shape)
+        y = self._output("y", s.output_shape)
+        p = self.params
+        if not keep and self.relu_fusion:
+            self.conv.forward(x, p["weights"], p["bias"], y, relu=True)
+            return y
+        if keep:
+            z, stats = self._pre, self._stats
+        else:
+            if self._eval_pre is None:
+                self._eval_pre = self.cuda.device_array(self.total, self.dev_dt)
+            z, stats = self._eval_pre, self._eval_stats
+        self.conv.forward(x, p["weights"], p["bias"], z)
+        from_batch = self._statistics(z, stats, training)
+        gamma, beta = self._gamma_beta()
+        self._elementwise(self.k.forward_apply, z, y.reshape(self.total), *stats, gamma, beta,
+                          self.total, self.C, self.S)
+        if keep:
+            self._have_cache, self._batch_stats = True, from_batch
+        return y
+
+    def evaluate(self, x: Any):
+        return self._run(x, training=False, keep=False)
+
+    def forward(self, x: Any, training: bool):
+        return self._run(x, training=training, keep=True)
+
+    # Backward ------------------------------------------------------------------------------
+    def backward(self, x: Any, d_y: Any, param_grads: bool, input_grad: bool):
+        s, norm = self.spec, self.spec.normalization
+        if param_grads:
+            x = self._input("x", x, s.input_shape)
+        d_y = self._input("d_y", d_y, s.output_shape)
+        if not self._have_cache:
+            raise RuntimeError("backward: no forward pass to differentiate; call forward(x) first")
+        d_y = d_y.reshape(self.total)
+        mean, inv_std = self._stats if norm is not Normalization.NONE else (self._dummy, self._dummy)
+        gamma, beta = self._gamma_beta()
+        sums, count = self._dummy, np.float32(1)
+        if norm is not Normalization.NONE:
+            col = self._column_sums(K.SUM_GRADS, self._pre, d_y, mean, inv_std)
+            if param_grads:
+                C = self.C
+                launch = self.k.accumulate_f32[K.small_grid(C) + (self.stream,)]
+                launch(self.grads["beta"], col[0:C], C)
+                launch(self.grads["gamma"], col[C:2 * C], C)
+            if norm is Normalization.LAYER_NORM:
+                sums, count = self._segment_sums(K.SUM_GRADS, self._pre, d_y, mean, inv_std), np.float32(self.S)
+            elif self._batch_stats:
+                sums, count = col, np.float32(self.M)
+        self._elementwise(self.k.backward_dz, self._pre, d_y, self._d_z, mean, inv_std, gamma, beta, sums,
+                          self._batch_stats, self.total, self.C, self.S, count)
+        d_x = None
+        if input_grad:
+            d_x = self._output("d_x", s.input_shape)
+            self.conv.backward_data(self._d_z, self.params["weights"], d_x)
+        if param_grads:
+            bias = self._column_sums(K.SUM_PLAIN, self._d_z, self._d_z, self._dummy, self._dummy)
+            C = self.C
+            self.k.accumulate[K.small_grid(C) + (self.stream,)](self.grads["bias"], bias[0:C], C)
+            self.conv.backward_filter(x, self._d_z, self._d_w)
+            n = self._d_w.size
+            blocks, threads = K.elementwise_grid(n)
+            self.k.accumulate[blocks, threads, self.stream](self.grads["weights"], self._d_w, n)
+        return d_x
+
+    # State ---------------------------------------------------------------------------------
+    def _to_host(self, arrays: dict, layout: dict) -> dict[str, np.ndarray]:
+        out = {}
+        for k, a in arrays.items():
+            shape, dt = layout[k]
+            out[k] = from_device_bits(a.copy_to_host(stream=self.stream), dt).reshape(shape)
+        self.stream.synchronize()
+        return out
+
+    def _from_host(self, arrays: dict, values: dict) -> None:
+        for k, v in values.items():
+            arrays[k].copy_to_device(np.ascontiguousarray(to_device_bits(v)).reshape(-1), stream=self.stream)
+        self.stream.synchronize()
+
+    def zero_gradient(self) -> None:
+        self._from_host(self.grads, {k: np.zeros(shape, dt) for k, (shape, dt) in grad_layout(self.spec).items()})
+
+    def get_state(self) -> dict[str, np.ndarray]:
+        return self._to_host(self.params, state_layout(self.spec))
+
+    def set_state(self, state: dict[str, np.ndarray]) -> None:
+        self._from_host(self.params, state)
+
+    def get_grads(self) -> dict[str, np.ndarray]:
+        return self._to_host(self.grads, grad_layout(self.spec))
+
+    def set_grads(self, grads: dict[str, np.ndarray]) -> None:
+        self._from_host(self.grads, grads)
+
+    @property
+    def pre_activations(self):
+        return self._pre.reshape(self.spec.output_shape) if self._have_cache else None

@@ -1,0 +1,156 @@
+"""The CUDA runtime pieces the backend needs: numba (importable under NumPy 2.5), the GPU
+check, streams, and device arrays made from NumPy, `__cuda_array_interface__` objects or
+torch tensors."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import numpy as np
+
+from conv2d.checks import c_contiguous_strides, check_numpy, describe
+from conv2d.dtypes import storage_dtype
+from conv2d.spec import DType
+
+INSTALL_HINT = ("install the GPU extra for your CUDA driver: pip install 'conv2d[cuda13]' "
+                "(or 'conv2d[cuda12]'), on a machine with an NVIDIA GPU and driver")
+
+
+class CudaUnavailableError(RuntimeError):
+    """No usable GPU, driver or GPU library; the message says what to install."""
+
+
+def simulating() -> bool:
+    """Whether numba runs CUDA kernels in its CPU simulator (NUMBA_ENABLE_CUDASIM=1)."""
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+@contextlib.contextmanager
+def _numpy_row_stack_alias():
+    # numba-cuda 0.30 registers an overload for np.row_stack when its CUDA target loads;
+    # NumPy 2.5 removed that alias of np.vstack, so the import fails with AttributeError.
+    # The alias exists only while that module loads, and only where NumPy lacks it.
+    if hasattr(np, "row_stack"):
+        yield
+        return
+    np.row_stack = np.vstack
+    try:
+        yield
+    finally:
+        del np.row_stack
+
+
+def numba_cuda():
+    """`numba.cuda`, with its array module loaded under the NumPy 2.5 workaround."""
+    try:
+        with _numpy_row_stack_alias():
+            from numba import cuda
+            if not simulating():
+                import numba.cuda.np.arrayobj  # noqa: F401  (the module that reads np.row_stack)
+    except ImportError as e:
+        raise CudaUnavailableError(f"numba-cuda is not importable ({e}); {INSTALL_HINT}") from e
+    return cuda
+
+
+def require_gpu():
+    """`numba.cuda` once a GPU is known to be usable, else CudaUnavailableError."""
+    cuda = numba_cuda()
+    if simulating():
+        raise CudaUnavailableError("the CUDA backend needs a real GPU: NUMBA_ENABLE_CUDASIM=1 is set "
+                                   "(the simulator runs only the numba kernels, not cuDNN)")
+    try:
+        available = cuda.is_available()
+    except Exception as e:  # a broken driver install raises rather than answering
+        raise CudaUnavailableError(f"the CUDA driver could not be initialised ({e}); {INSTALL_HINT}") from e
+    if not available:
+        raise CudaUnavailableError(f"no NVIDIA GPU is usable (numba.cuda.is_available() is False); {INSTALL_HINT}")
+    return cuda
+
+
+def stream_handle(stream: Any) -> int:
+    """The CUstream of a numba stream as an int (0 for the default stream)."""
+    h = stream.handle
+    if hasattr(h, "value"):  # ctypes c_void_p (numba's ctypes binding)
+        return int(h.value or 0)
+    return int(h)  # cuda.bindings CUstream
+
+
+def as_stream(cuda, stream: Any):
+    """A numba stream: a new one for None, else the caller's (numba stream, raw handle
+    int, or any object with `cuda_stream` (torch) or `ptr` (cupy))."""
+    if stream is None:
+        return cuda.stream()
+    if hasattr(stream, "handle") and hasattr(stream, "synchronize"):
+        return stream
+    for attr in ("cuda_stream", "ptr"):
+        if hasattr(stream, attr):
+            return cuda.external_stream(int(getattr(stream, attr)))
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return cuda.external_stream(stream)
+    raise TypeError(f"stream: expected a numba stream, a CUstream int, or an object with "
+                    f"cuda_stream/ptr, got {describe(stream)}")
+
+
+# How storage dtypes live on the device: numba has no bfloat16, so bfloat16 arrays are
+# their uint16 bit patterns there (rounded to nearest even by the kernels).
+def device_dtype(dtype: DType) -> np.dtype:
+    return np.dtype(np.uint16) if DType(dtype) is DType.BFLOAT16 else storage_dtype(dtype)
+
+
+def to_device_bits(a: np.ndarray) -> np.ndarray:
+    """The host array as the device stores it (bfloat16 viewed as uint16)."""
+    return a.view(np.uint16) if a.dtype == storage_dtype(DType.BFLOAT16) else a
+
+
+def from_device_bits(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The inverse of `to_device_bits` for an array copied back to the host."""
+    return a.view(dtype) if a.dtype != dtype else a
+
+
+def _torch_dtype_name(a: Any) -> str | None:
+    dt = getattr(a, "dtype", None)
+    return str(dt) if dt is not None and str(dt).startswith("torch.") else None
+
+
+def device_input(cuda, name: str, a: Any, shape: tuple[int, ...], dtype: DType, stream) -> Any:
+    """A numba device array for argument `a`, checked before any copy or launch.
+
+    NumPy arrays are copied to the device (on `stream`); `__cuda_array_interface__`
+    objects and torch CUDA tensors (bfloat16 ones have no such interface) are used in
+    place. For bfloat16 layers a device array may also be uint16 holding bfloat16 bits.
+    """
+    st = storage_dtype(dtype)
+    dev_dt = device_dtype(dtype)
+    if isinstance(a, np.ndarray):
+        check_numpy(name, a, shape, st)
+        return cuda.to_device(to_device_bits(a), stream=stream)
+    torch_dt = _torch_dtype_name(a)
+    if torch_dt == "torch.bfloat16":
+        if DType(dtype) is not DType.BFLOAT16:
+            raise TypeError(f"{name}: expected dtype {st}, got {describe(a)}")
+        if tuple(a.shape) != tuple(shape):
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {describe(a)}")
+        if not a.is_cuda:
+            raise TypeError(f"{name}: expected a CUDA tensor or a NumPy array, got a CPU tensor")
+        if not a.is_contiguous():
+            raise ValueError(f"{name}: expected a C-contiguous array, got strides {tuple(a.stride())} (elements)")
+        iface = {"shape": tuple(shape), "typestr": "<u2", "data": (a.data_ptr(), False), "version": 2,
+                 "strides": None}
+        return cuda.from_cuda_array_interface(iface, owner=a, sync=False)
+    if hasattr(a, "__cuda_array_interface__"):
+        iface = a.__cuda_array_interface__
+        got_shape = tuple(iface["shape"])
+        got_dt = np.dtype(iface["typestr"])
+        if got_shape != tuple(shape):
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {describe(a)}")
+        if got_dt != dev_dt and not (got_dt == st):
+            want = f"{st}" + (" (or uint16 bfloat16 bits)" if dev_dt != st else "")
+            raise TypeError(f"{name}: expected dtype {want}, got {describe(a)} (nothing is cast silently)")
+        strides = iface.get("strides")
+        if strides is not None and tuple(strides) != c_contiguous_strides(got_shape, got_dt.itemsize):
+            raise ValueError(f"{name}: expected a C-contiguous array, got strides {tuple(strides)} (bytes)")
+        return cuda.as_cuda_array(a, sync=False)
+    raise TypeError(f"{name}: expected a numpy.ndarray or a device array with __cuda_array_interface__, "
+                    f"got {describe(a)}")
