@@ -1,7 +1,30 @@
+import ctypes
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+
+def _cuda_device_count() -> int:
+    """NVIDIA GPUs the driver reports, asked without importing numba (which must see
+    NUMBA_ENABLE_CUDASIM before its first import)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+HAVE_GPU = _cuda_device_count() > 0 and os.environ.get("NUMBA_ENABLE_CUDASIM", "0") in ("", "0")
+NO_GPU_REASON = ("no NVIDIA GPU here (libcuda.so.1 missing or no device): the CUDA backend's tests need one "
+                 "and the cuda12/cuda13 extra")
+if not HAVE_GPU:
+    # Without a GPU the numba kernels run in numba's CUDA simulator.
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 from conv2d import Conv2d, LayerSpec
 

@@ -1,0 +1,100 @@
+"""The CUDA backend's numba kernels and their orchestration, with the reference standing in
+for cuDNN: in numba's CUDA simulator where there is no GPU (CI), on the GPU where there is."""
+
+import numpy as np
+import pytest
+
+from conftest import GOLDEN_DIR, HAVE_GPU, make_layer, random_inputs
+from conv2d import LayerSpec
+
+pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (the test extra brings it)")
+
+import ml_dtypes  # noqa: E402
+
+from conv2d import Conv2d  # noqa: E402
+from conv2d.cuda import kernels as K  # noqa: E402
+from conv2d.cuda.runtime import numba_cuda  # noqa: E402
+from conv2d.testing.golden import MODES, as_numpy, check_case, golden_files, load_case, run_case  # noqa: E402
+from host_convolutions import HostConvolutions  # noqa: E402
+
+cuda = numba_cuda()
+FILES = {p.stem: p for p in golden_files(GOLDEN_DIR)}
+# The simulator runs every GPU thread as a Python thread: every golden spec in float32,
+# a spread of them (no norm, batch norm, layer norm; strides; ReLU) in 16 bits.
+SIXTEEN_BIT_CASES = ["relu_bn_nonsquare", "gelu_original_ln", "tanh_stride4_pad2", "fast_tanh_bn_k5_c1"]
+CASES = ([(name, "float32", mode) for name in FILES for mode in MODES]
+         + [(name, dt, mode) for name in SIXTEEN_BIT_CASES for dt in ("float16", "bfloat16") for mode in MODES])
+
+
+def cuda_layer(spec, seed=0):
+    return make_layer(spec, seed, backend="cuda", convolutions=HostConvolutions(spec))
+
+
+@pytest.mark.parametrize("name, dtype, mode", CASES, ids=["-".join(c) for c in CASES])
+def test_cuda_kernels_match_the_golden_files(name, dtype, mode):
+    case = load_case(FILES[name])
+    spec = case.spec_as(dtype)
+    got = run_case(case, dtype, mode, backend="cuda", convolutions=HostConvolutions(spec))
+    check_case(case, got, dtype, mode)
+
+
+@cuda.jit
+def _round_trip(values, bits, back):
+    i = cuda.grid(1)
+    if i < values.size:
+        bits[i] = K.f32_to_bf16(values[i])
+        back[i] = K.bf16_to_f32(bits[i])
+
+
+def test_bfloat16_conversion_rounds_like_ml_dtypes():
+    specials = [0.0, -0.0, 1.0, np.inf, -np.inf, np.nan, 1e-40, -3e-39, 3.3895314e38, 1.00390625, 1.01171875,
+                1.0 + 2**-8, 1.0 + 3 * 2**-8]  # subnormals, overflow to inf, exact ties either way
+    values = np.concatenate([np.array(specials, np.float32),
+                             np.random.default_rng(0).standard_normal(64).astype(np.float32) * 100])
+    bits = cuda.device_array(values.size, np.uint16)
+    back = cuda.device_array(values.size, np.float32)
+    _round_trip[1, 128](cuda.to_device(values), bits, back)
+    want = values.astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(bits.copy_to_host(), want.view(np.uint16))
+    np.testing.assert_array_equal(back.copy_to_host(), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("norm", ["batch_norm", "layer_norm"])
+def test_reductions_over_several_partials_match_the_reference(monkeypatch, norm):
+    # Small shapes give one partial per group; force several to exercise phase two.
+    monkeypatch.setattr(K, "column_partition", lambda M: 3)
+    monkeypatch.setattr(K, "segment_partition", lambda S: 2)
+    spec = LayerSpec(batch_size=2, in_height=6, in_width=5, in_channels=2, out_channels=3, kernel=3, padding=1,
+                     activation="tanh", normalization=norm, dtype="float32")
+    ours, ref = cuda_layer(spec), make_layer(spec, backend="reference")
+    x, dy = random_inputs(spec)
+    np.testing.assert_allclose(as_numpy(ours.forward(x)), ref.forward(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(as_numpy(ours.backward_full(x, dy)), ref.backward_full(x, dy), rtol=1e-4, atol=1e-5)
+    for k, g in ref.grad_dict().items():
+        np.testing.assert_allclose(ours.grad_dict()[k], g, rtol=1e-4, atol=1e-5, err_msg=k)
+    for k in ("running_mean", "running_var"):
+        if k in ref.state_dict():
+            np.testing.assert_allclose(ours.state_dict()[k], ref.state_dict()[k], rtol=1e-5, err_msg=k)
+
+
+def test_evaluate_keeps_the_forward_cache(monkeypatch):
+    spec = LayerSpec(batch_size=2, in_height=4, in_width=4, in_channels=2, out_channels=3, kernel=3, padding=1,
+                     activation="relu", normalization="batch_norm", dtype="float32")
+    layer = cuda_layer(spec)
+    x, dy = random_inputs(spec)
+    layer.forward(x, training=True)
+    pre = as_numpy(layer.pre_activations).copy()
+    before = layer.state_dict()
+    layer.evaluate(x * 3)
+    np.testing.assert_array_equal(as_numpy(layer.pre_activations), pre)
+    for k, v in layer.state_dict().items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="checks the simulator's own error path; on a GPU the cuDNN backend runs")
+def test_cuda_backend_without_a_gpu_says_what_is_missing():
+    from conv2d.cuda.runtime import CudaUnavailableError
+
+    spec = LayerSpec(batch_size=1, in_height=4, in_width=4, in_channels=1, out_channels=1, kernel=3)
+    with pytest.raises(CudaUnavailableError, match="needs a real GPU"):
+        Conv2d(spec, backend="cuda")
