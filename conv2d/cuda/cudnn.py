@@ -166,9 +166,12 @@ _KEY_LOCKS: dict = {}
 
 
 def graph(op: str, spec: LayerSpec, device: int, allow_tf32: bool, handle: Any) -> Graph:
-    """The built graph for (op, spec, device, allow_tf32), from the cache or built now.
+    """The built graph for (op, the spec's convolution, device, allow_tf32), from the cache
+    or built now.
     Threads asking for the same key wait for one build; other keys build in parallel."""
-    key = (op, spec, device, bool(allow_tf32) and spec.dtype is DType.FLOAT32)
+    # The convolutions do not depend on the activation or norm: key by what they read.
+    conv_key = (spec.input_shape, spec.out_channels, spec.kernel, spec.stride, spec.padding, spec.dtype)
+    key = (op, conv_key, device, bool(allow_tf32) and spec.dtype is DType.FLOAT32)
     with _CACHE_LOCK:
         found = _CACHE.get(key)
         if found is not None:
