@@ -37,4 +37,4 @@ class HostConvolutions:
         s = self.spec
         dw = conv.conv_backward_filter(self._get(x, s.input_shape), self._get(d_z, s.output_shape),
                                        s.kernel, s.stride, s.padding)
-        self._put(dw, d_w, np.float32)
+        self._put(dw, d_w, self.st)

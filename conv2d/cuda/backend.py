@@ -74,7 +74,7 @@ class CudaBackend:
         self._sums_col = alloc(2 * oc, f32)
         self._sums_seg = alloc(2 * n, f32)
         self._d_z = alloc(self.total, self.dev_dt)
-        self._d_w = alloc(int(np.prod(spec.weight_shape)), f32)
+        self._d_w = alloc(int(np.prod(spec.weight_shape)), self.dev_dt)
         self._frozen = False
         self._outputs = None
 
@@ -220,7 +220,7 @@ class CudaBackend:
             self.conv.backward_filter(x, self._d_z, self._d_w)
             n = self._d_w.size
             blocks, threads = K.elementwise_grid(n)
-            self.k.accumulate[blocks, threads, self.stream](self.grads["weights"], self._d_w, n)
+            self.k.accumulate_stored[blocks, threads, self.stream](self.grads["weights"], self._d_w, n)
         return d_x
 
     # State ---------------------------------------------------------------------------------

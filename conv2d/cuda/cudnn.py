@@ -130,8 +130,9 @@ def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool) -> Graph:
         elif op == "backward_filter":
             t = {"x": tensor("x"), "dy": g.tensor(name="dy", dim=d["y"][0], stride=d["y"][1], data_type=dt)}
             dw = g.conv_wgrad(image=t["x"], loss=t["dy"], **conv)
-            # float32 out: the layer accumulates it into the gradient itself.
-            dw.set_output(True).set_dim(d["w"][0]).set_stride(d["w"][1]).set_data_type(f32)
+            # In the storage type: cuDNN has no 16-bit wgrad engine with a float32 output
+            # (INVALID_DATA_CONFIG); the layer accumulates it into the gradient itself.
+            dw.set_output(True).set_dim(d["w"][0]).set_stride(d["w"][1]).set_data_type(dt)
             t["dw"] = dw
         else:
             raise ValueError(f"unknown cuDNN graph {op!r}")
@@ -198,7 +199,7 @@ class Convolutions:
 
     Arguments are numba device arrays, NHWC/C-contiguous, in the layer's storage format:
     `forward(x, w, b, y, relu)` writes y = [relu](conv(x, w) + b); `backward_data(d_z, w,
-    d_x)` writes d_x; `backward_filter(x, d_z, d_w)` writes the float32 d_w.
+    d_x)` writes d_x; `backward_filter(x, d_z, d_w)` writes d_w (storage format too).
     """
 
     def __init__(self, cuda, spec: LayerSpec, stream_ptr: int, device: int, allow_tf32: bool,

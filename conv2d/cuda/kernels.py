@@ -177,8 +177,9 @@ class KernelSet:
     stats_final: object
     running_stats: object
     backward_dz: object
-    accumulate: object  # into a storage-format array
-    accumulate_f32: object  # into a float32 array
+    accumulate: object  # float32 values into a storage-format array
+    accumulate_stored: object  # storage-format values into a storage-format array
+    accumulate_f32: object  # float32 values into a float32 array
 
 
 @functools.lru_cache(maxsize=None)
@@ -387,13 +388,19 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
             store(grad, i, load(grad, i) + new[i])
 
     @cuda.jit
+    def accumulate_stored(grad, new, total):
+        """grad += new, both in the storage format (the sum is rounded once, in float32)."""
+        for i in range(cuda.grid(1), total, cuda.gridsize(1)):
+            store(grad, i, load(grad, i) + load(new, i))
+
+    @cuda.jit
     def accumulate_f32(grad, new, total):
         """grad += new, both float32."""
         for i in range(cuda.grid(1), total, cuda.gridsize(1)):
             grad[i] += new[i]
 
     return KernelSet(forward_apply, column_partials, segment_partials, partials_final, stats_final,
-                     running_stats, backward_dz, accumulate, accumulate_f32)
+                     running_stats, backward_dz, accumulate, accumulate_stored, accumulate_f32)
 
 
 def small_grid(total: int) -> tuple[int, int]:

@@ -2,8 +2,8 @@
 
 Every computation runs in the compute dtype (float64 for the float64 policy, float32
 otherwise) and is rounded to the storage dtype exactly where the GPU stores a tensor:
-pre-activations, outputs, d_z before it feeds the convolution gradients, d_x and the
-weight and bias gradients.
+pre-activations, outputs, d_z before it feeds the convolution gradients, d_x, each new
+weight gradient before it is accumulated, and the accumulated gradients.
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ class ReferenceBackend:
         if param_grads:
             new = dict(norm_grads)
             new["bias"] = conv.bias_backward(d_z)
-            new["weights"] = conv.conv_backward_filter(x.astype(self.ct, copy=False), d_z_stored, s.kernel, s.stride, s.padding)
+            d_w = conv.conv_backward_filter(x.astype(self.ct, copy=False), d_z_stored, s.kernel, s.stride, s.padding)
+            new["weights"] = d_w.astype(self.st, copy=False).astype(self.ct, copy=False)  # stored, as cuDNN writes it
             for k, g in new.items():
                 acc = self.grads[k]
                 self.grads[k] = (acc.astype(self.ct, copy=False) + g).astype(acc.dtype, copy=False)
