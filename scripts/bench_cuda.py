@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import SHAPES, bench_spec  # noqa: E402
+from bench_shapes import SHAPES, cases  # noqa: E402
 
 
 def timed(run, record_start, record_end, elapsed_ms, sync, iters: int, blocks: int = 5):
@@ -94,7 +94,6 @@ def main() -> None:
 
     import torch
 
-    from conv2d.dtypes import storage_dtype
 
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
@@ -106,20 +105,13 @@ def main() -> None:
              "| shape | norm | dtype | ours GPU | torch GPU | ratio | ours wall | torch wall | ratio |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     print("\n".join(lines), flush=True)
-    for name in args.shapes.split(","):
-        for bn in (False, True):
-            for dtype in args.dtypes.split(","):
-                spec = bench_spec(name, bn, dtype)
-                rng = np.random.default_rng(1)
-                st = storage_dtype(spec.dtype)
-                x = rng.standard_normal(spec.input_shape, dtype=np.float32).astype(st)
-                dy = rng.standard_normal(spec.output_shape, dtype=np.float32).astype(st)
-                og, ow = ours(spec, x, dy, args.iters)
-                tg, tw = pytorch(spec, x, dy, args.iters)
-                line = (f"| {name} | {'bn' if bn else '-'} | {dtype} | {og:.3f} | {tg:.3f} | {og / tg:.2f} "
-                        f"| {ow:.3f} | {tw:.3f} | {ow / tw:.2f} |")
-                lines.append(line)
-                print(line, flush=True)
+    for name, bn, spec, x, dy in cases(args.shapes, args.dtypes):
+        og, ow = ours(spec, x, dy, args.iters)
+        tg, tw = pytorch(spec, x, dy, args.iters)
+        line = (f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} | {og:.3f} | {tg:.3f} | {og / tg:.2f} "
+                f"| {ow:.3f} | {tw:.3f} | {ow / tw:.2f} |")
+        lines.append(line)
+        print(line, flush=True)
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
 

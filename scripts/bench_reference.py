@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import SHAPES, bench_spec  # noqa: E402
+from bench_shapes import SHAPES, cases  # noqa: E402
 
 from conv2d import Conv2d  # noqa: E402
-from conv2d.dtypes import storage_dtype  # noqa: E402
 
 
 def median_ms(fn, repeats: int, warmup: int = 2) -> float:
@@ -88,18 +87,11 @@ def main() -> None:
               f"{np.__version__} BLAS: {blas}; median of {args.repeats} after 2 warm-ups, wall ms\n")
         print("| shape | norm | dtype | ours fwd | torch fwd | ratio | ours step | torch step | ratio |")
         print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for name in args.shapes.split(","):
-            for bn in (False, True):
-                for dtype in args.dtypes.split(","):
-                    spec = bench_spec(name, bn, dtype)
-                    rng = np.random.default_rng(1)
-                    st = storage_dtype(spec.dtype)
-                    x = rng.standard_normal(spec.input_shape, dtype=np.float32).astype(st)
-                    dy = rng.standard_normal(spec.output_shape, dtype=np.float32).astype(st)
-                    of, os_ = ours(spec, x, dy, args.repeats)
-                    tf, ts = pytorch(spec, x, dy, args.repeats)
-                    print(f"| {name} | {'bn' if bn else '-'} | {dtype} | {of:.2f} | {tf:.2f} | {of / tf:.2f} "
-                          f"| {os_:.2f} | {ts:.2f} | {os_ / ts:.2f} |", flush=True)
+        for name, bn, spec, x, dy in cases(args.shapes, args.dtypes):
+            of, os_ = ours(spec, x, dy, args.repeats)
+            tf, ts = pytorch(spec, x, dy, args.repeats)
+            print(f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} | {of:.2f} | {tf:.2f} | {of / tf:.2f} "
+                  f"| {os_:.2f} | {ts:.2f} | {os_ / ts:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

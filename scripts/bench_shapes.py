@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
+import numpy as np
+
+from conv2d.dtypes import storage_dtype
 from conv2d.spec import LayerSpec
 
 # name -> (N, H, W, C, OC, K, S, P)
@@ -26,3 +31,17 @@ def flops(spec: LayerSpec) -> dict[str, float]:
     kh, kw = spec.kernel
     conv = 2.0 * spec.batch_size * spec.out_height * spec.out_width * spec.out_channels * kh * kw * spec.in_channels
     return {"forward": conv, "step": 3 * conv}
+
+
+def cases(shapes: str, dtypes: str) -> Iterator[tuple[str, bool, LayerSpec, np.ndarray, np.ndarray]]:
+    """(name, batch_norm, spec, x, d_y) for every shape, norm setting and dtype asked for,
+    with the same seeded Gaussian x and d_y for both sides of a comparison."""
+    for name in shapes.split(","):
+        for bn in (False, True):
+            for dtype in dtypes.split(","):
+                spec = bench_spec(name, bn, dtype)
+                rng = np.random.default_rng(1)
+                st = storage_dtype(spec.dtype)
+                x = rng.standard_normal(spec.input_shape, dtype=np.float32).astype(st)
+                dy = rng.standard_normal(spec.output_shape, dtype=np.float32).astype(st)
+                yield name, bn, spec, x, dy
