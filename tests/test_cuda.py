@@ -261,3 +261,19 @@ def test_demo_runs_on_the_gpu(capsys):
 
     assert main(["demo", "--quiet", "--backend", "cuda"]) == 0
     assert "the student matches the teacher" in capsys.readouterr().out
+
+
+def test_the_callers_stream_carries_all_the_work():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from conv2d.cuda.runtime import stream_handle
+
+    spec = spec_for("gelu", "batch_norm")
+    theirs = torch.cuda.Stream()
+    layer = make_layer(spec, backend="cuda", stream=theirs)
+    assert stream_handle(layer._impl.stream) == theirs.cuda_stream
+    x, dy = random_inputs(spec)
+    with torch.cuda.stream(theirs):
+        got = step(layer, x, dy)
+    want = step(make_layer(spec, backend="cuda"), x, dy)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
