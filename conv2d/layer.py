@@ -115,6 +115,27 @@ class Conv2d:
             raise TypeError(f"freeze: the {self.backend!r} backend allocates with NumPy and has nothing to freeze")
         freeze()
 
+    def capture(self, x: Any, d_y: Any) -> Any:
+        """CUDA backend: capture forward(training=True) + backward_full as one CUDA graph.
+
+        `x` (N, H, W, C) and `d_y` (N, OH, OW, OC) must be device arrays; the graph reads
+        them where they are, so write new data into them and call `.replay()`. The layer
+        is frozen; `.outputs["y"]` and `.outputs["d_x"]` are the buffers each replay
+        writes. Parameters, gradients and running statistics change with each replay
+        exactly as with an eager step, bitwise."""
+        capture = getattr(self._impl, "capture_step", None)
+        if capture is None:
+            raise TypeError(f"capture: the {self.backend!r} backend has no CUDA graphs")
+        return capture(x, d_y)
+
+    def capture_evaluate(self, x: Any) -> Any:
+        """CUDA backend: capture evaluate(x) as one CUDA graph (see `capture`);
+        `.outputs["y"]` receives each replay's output."""
+        capture = getattr(self._impl, "capture_evaluate", None)
+        if capture is None:
+            raise TypeError(f"capture_evaluate: the {self.backend!r} backend has no CUDA graphs")
+        return capture(x)
+
     @property
     def pre_activations(self) -> Any:
         """conv(x, W) + b of the last `forward`, (N, OH, OW, OC), or None before any."""

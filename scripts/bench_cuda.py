@@ -1,17 +1,25 @@
-"""The CUDA backend beside PyTorch on the GPU: a training step (forward(training) +
-backward_full) on the shapes of shared/BENCH.md, eager, in one process.
+"""The CUDA backend beside PyTorch on the GPU, in one process: a training step
+(forward(training) + backward_full) on the shapes of shared/BENCH.md, eager and replayed
+as a CUDA graph on both sides, plus a batch sweep of rl_small.
 
-    python scripts/bench_cuda.py [--shapes a,b] [--dtypes float32,bfloat16] [--iters 20] [--out table.md]
+    python scripts/bench_cuda.py [--shapes a,b] [--dtypes float32,bfloat16] [--iters 20]
+                                 [--sweep 1,2,4,...] [--out DIR]
 
 PyTorch runs nn.Conv2d (+ nn.BatchNorm2d) + nn.ReLU in channels_last with
 cudnn.deterministic = True and TF32 off, as ours. GPU time: CUDA events around `iters`
-steps on each side's stream; wall time: perf_counter around the same steps plus a final
-synchronize; each the median of 5 such blocks after a warm-up, per step.
+steps on each side's stream; wall time: perf_counter around the same steps and a final
+synchronize; each the median of 5 such blocks after a warm-up, per step. The roofline
+time of a step is the larger of its FLOPs (three convolutions) at the GPU's peak (790
+TFLOP/s bf16/f16 measured on this H200; 67 TFLOP/s fp32, NVIDIA's figure for non-tensor
+fp32) and its unavoidable bytes at 4.3 TB/s: x read twice and d_x written, y and the
+pre-activations written, the pre-activations and d_y read (itemsize x (3|x| + 4|y|)).
+With --out, writes bench_cuda.md, bench_cuda.json and bench_cuda.png there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -20,26 +28,36 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import SHAPES, cases  # noqa: E402
+from bench_shapes import SHAPES, bench_spec, cases, flops, inputs  # noqa: E402
+
+PEAK_FLOPS = {"float32": 67e12, "float16": 790e12, "bfloat16": 790e12}
+PEAK_BYTES = 4.3e12
 
 
-def timed(run, record_start, record_end, elapsed_ms, sync, iters: int, blocks: int = 5):
+def roofline_ms(spec) -> float:
+    item = 4 if spec.dtype.value == "float32" else 2
+    n_x = int(np.prod(spec.input_shape))
+    n_y = int(np.prod(spec.output_shape))
+    return 1e3 * max(flops(spec)["step"] / PEAK_FLOPS[spec.dtype.value], item * (3 * n_x + 4 * n_y) / PEAK_BYTES)
+
+
+def timed(run, event, elapsed_ms, sync, iters: int, blocks: int = 5) -> tuple[float, float]:
     run()
     sync()
     gpu, wall = [], []
     for _ in range(blocks):
-        start, end = record_start(), None
+        start = event()
         t0 = time.perf_counter()
         for _ in range(iters):
             run()
-        end = record_end()
+        end = event()
         sync()
         wall.append((time.perf_counter() - t0) * 1e3 / iters)
         gpu.append(elapsed_ms(start, end) / iters)
     return statistics.median(gpu), statistics.median(wall)
 
 
-def ours(spec, x_host, dy_host, iters):
+def ours(spec, x_host, dy_host, iters: int, eager: bool = True) -> dict:
     from conv2d import Conv2d
     from conv2d.cuda.runtime import to_device_bits
 
@@ -50,18 +68,23 @@ def ours(spec, x_host, dy_host, iters):
     x = cuda.to_device(to_device_bits(x_host), stream=stream)
     dy = cuda.to_device(to_device_bits(dy_host), stream=stream)
 
-    def run():
-        layer.forward(x, training=True)
-        layer.backward_full(x, dy)
-
-    def record():
+    def event():
         e = cuda.event()
         e.record(stream)
         return e
-    return timed(run, record, record, lambda a, b: cuda.event_elapsed_time(a, b), stream.synchronize, iters)
+
+    out = {}
+    if eager:
+        def step():
+            layer.forward(x, training=True)
+            layer.backward_full(x, dy)
+        out["eager"] = timed(step, event, cuda.event_elapsed_time, stream.synchronize, iters)
+    graph = layer.capture(x, dy)
+    out["graph"] = timed(graph.replay, event, cuda.event_elapsed_time, stream.synchronize, iters)
+    return out
 
 
-def pytorch(spec, x_host, dy_host, iters):
+def pytorch(spec, x_host, dy_host, iters: int, eager: bool = True) -> dict:
     import torch
 
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype.value]
@@ -73,15 +96,29 @@ def pytorch(spec, x_host, dy_host, iters):
     x = torch.from_numpy(x_host.astype(np.float32)).cuda().to(dt).permute(0, 3, 1, 2).requires_grad_(True)
     dy = torch.from_numpy(dy_host.astype(np.float32)).cuda().to(dt).permute(0, 3, 1, 2)
 
-    def run():
+    def step():
         x.grad = None
-        model(x).backward(dy)  # parameter grads accumulate, as ours
+        model(x).backward(dy)  # parameter gradients accumulate, as ours
 
-    def record():
+    def event():
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         return e
-    return timed(run, record, record, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize, iters)
+
+    out = {}
+    if eager:
+        out["eager"] = timed(step, event, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize, iters)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    out["graph"] = timed(graph.replay, event, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize, iters)
+    return out
 
 
 def main() -> None:
@@ -89,31 +126,80 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", default="1,2,4,8,16,32,64,128,256,512,1024",
+                    help="batch sizes of the rl_small sweep (bfloat16, batch norm); empty for none")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
     import torch
 
-
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
     lines = [f"# conv2d CUDA backend vs PyTorch {torch.__version__} on {torch.cuda.get_device_name()}: "
-             f"training step, eager, median ms per step",
-             "",
-             "| shape | norm | dtype | ours GPU | torch GPU | ratio | ours wall | torch wall | ratio |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"training step (forward + backward_full), median ms per step", "",
+             "| shape | norm | dtype | ours eager wall | torch eager wall | ratio | ours eager GPU | torch eager GPU "
+             "| ratio | ours graph GPU | torch graph GPU | ratio | roofline | ours graph % of roofline |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     print("\n".join(lines), flush=True)
     for name, bn, spec, x, dy in cases(args.shapes, args.dtypes):
-        og, ow = ours(spec, x, dy, args.iters)
-        tg, tw = pytorch(spec, x, dy, args.iters)
-        line = (f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} | {og:.3f} | {tg:.3f} | {og / tg:.2f} "
-                f"| {ow:.3f} | {tw:.3f} | {ow / tw:.2f} |")
+        o, t = ours(spec, x, dy, args.iters), pytorch(spec, x, dy, args.iters)
+        roof = roofline_ms(spec)
+        row = {"shape": name, "batch_norm": bn, "dtype": spec.dtype.value, "roofline_ms": roof,
+               **{f"ours_{k}_{w}_ms": v[i] for k, v in o.items() for i, w in enumerate(("gpu", "wall"))},
+               **{f"torch_{k}_{w}_ms": v[i] for k, v in t.items() for i, w in enumerate(("gpu", "wall"))}}
+        rows.append(row)
+        line = (f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} "
+                f"| {o['eager'][1]:.3f} | {t['eager'][1]:.3f} | {o['eager'][1] / t['eager'][1]:.2f} "
+                f"| {o['eager'][0]:.3f} | {t['eager'][0]:.3f} | {o['eager'][0] / t['eager'][0]:.2f} "
+                f"| {o['graph'][0]:.3f} | {t['graph'][0]:.3f} | {o['graph'][0] / t['graph'][0]:.2f} "
+                f"| {roof:.4f} | {100 * roof / o['graph'][0]:.1f} |")
         lines.append(line)
         print(line, flush=True)
+    sweep = []
+    if args.sweep:
+        head = ["", "## Batch sweep: rl_small, bfloat16, batch norm, CUDA-graph GPU ms per step", "",
+                "| N | ours graph GPU | torch graph GPU | ratio | roofline |", "| ---: | ---: | ---: | ---: | ---: |"]
+        lines += head
+        print("\n".join(head), flush=True)
+        for n in (int(v) for v in args.sweep.split(",")):
+            spec = bench_spec("rl_small", True, "bfloat16", batch_size=n)
+            x, dy = inputs(spec)
+            o, t = ours(spec, x, dy, args.iters, eager=False), pytorch(spec, x, dy, args.iters, eager=False)
+            sweep.append({"batch_size": n, "ours_graph_gpu_ms": o["graph"][0], "torch_graph_gpu_ms": t["graph"][0],
+                          "roofline_ms": roofline_ms(spec)})
+            line = (f"| {n} | {o['graph'][0]:.3f} | {t['graph'][0]:.3f} | {o['graph'][0] / t['graph'][0]:.2f} "
+                    f"| {roofline_ms(spec):.4f} |")
+            lines.append(line)
+            print(line, flush=True)
     if args.out:
-        args.out.write_text("\n".join(lines) + "\n")
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_cuda.md").write_text("\n".join(lines) + "\n")
+        (args.out / "bench_cuda.json").write_text(json.dumps({"steps": rows, "sweep": sweep}, indent=1))
+        if sweep:
+            _plot(sweep, args.out / "bench_cuda.png")
+
+
+def _plot(sweep: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = [r["batch_size"] for r in sweep]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.loglog(n, [r["ours_graph_gpu_ms"] for r in sweep], "o-", label="conv2d (CUDA graph)")
+    ax.loglog(n, [r["torch_graph_gpu_ms"] for r in sweep], "s-", label="PyTorch (CUDA graph)")
+    ax.loglog(n, [r["roofline_ms"] for r in sweep], "--", label="roofline")
+    ax.set_xlabel("batch size N")
+    ax.set_ylabel("GPU ms per training step")
+    ax.set_title("rl_small, bfloat16, batch norm")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -40,8 +40,13 @@ def cases(shapes: str, dtypes: str) -> Iterator[tuple[str, bool, LayerSpec, np.n
         for bn in (False, True):
             for dtype in dtypes.split(","):
                 spec = bench_spec(name, bn, dtype)
-                rng = np.random.default_rng(1)
-                st = storage_dtype(spec.dtype)
-                x = rng.standard_normal(spec.input_shape, dtype=np.float32).astype(st)
-                dy = rng.standard_normal(spec.output_shape, dtype=np.float32).astype(st)
-                yield name, bn, spec, x, dy
+                yield (name, bn, spec, *inputs(spec))
+
+
+def inputs(spec: LayerSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded Gaussian x (N, H, W, C) and d_y (N, OH, OW, OC) in the spec's storage dtype."""
+    rng = np.random.default_rng(1)
+    st = storage_dtype(spec.dtype)
+    x = rng.standard_normal(spec.input_shape, dtype=np.float32).astype(st)
+    dy = rng.standard_normal(spec.output_shape, dtype=np.float32).astype(st)
+    return x, dy

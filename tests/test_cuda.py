@@ -277,3 +277,56 @@ def test_the_callers_stream_carries_all_the_work():
     want = step(make_layer(spec, backend="cuda"), x, dy)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
+
+
+def _device_pair(spec, x, dy):
+    from numba import cuda
+
+    from conv2d.cuda.runtime import to_device_bits
+    return cuda.to_device(to_device_bits(x)), cuda.to_device(to_device_bits(dy))
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("norm", NORMS)
+def test_a_captured_step_replays_bitwise_like_eager_steps(norm, dtype):
+    spec = spec_for("relu", norm, dtype)
+    x, dy = random_inputs(spec)
+    eager, captured = make_layer(spec, backend="cuda"), make_layer(spec, backend="cuda")
+    xe, dye = _device_pair(spec, x, dy)
+    xc, dyc = _device_pair(spec, x, dy)
+    graph = captured.capture(xc, dyc)
+    # the capture itself changes nothing
+    for k, v in make_layer(spec).state_dict().items():
+        np.testing.assert_array_equal(captured.state_dict()[k], v, err_msg=k)
+    st = storage_dtype(spec.dtype)
+    for _ in range(2):
+        y = as_numpy(eager.forward(xe, training=True), st)
+        dx = as_numpy(eager.backward_full(xe, dye), st)
+        graph.replay()
+        np.testing.assert_array_equal(as_numpy(graph.outputs["y"], st).view(np.uint8), y.view(np.uint8))
+        np.testing.assert_array_equal(as_numpy(graph.outputs["d_x"], st).view(np.uint8), dx.view(np.uint8))
+    for a, b in ((eager.grad_dict(), captured.grad_dict()), (eager.state_dict(), captured.state_dict())):
+        for k in a:
+            np.testing.assert_array_equal(b[k].view(np.uint8), a[k].view(np.uint8), err_msg=k)
+
+
+def test_a_replay_reads_new_values_written_into_the_captured_inputs():
+    spec = spec_for("gelu", "layer_norm")
+    x, dy = random_inputs(spec)
+    layer = make_layer(spec, backend="cuda")
+    xc, _ = _device_pair(spec, x, dy)
+    graph = layer.capture_evaluate(xc)
+    x2 = (x * 2 + 1).astype(x.dtype)
+    xc.copy_to_device(x2)
+    graph.replay()
+    want = as_numpy(make_layer(spec, backend="cuda").evaluate(x2))
+    np.testing.assert_array_equal(as_numpy(graph.outputs["y"]), want)
+
+
+def test_capture_refuses_host_arrays_and_the_reference_backend():
+    spec = spec_for("relu", "none")
+    x, dy = random_inputs(spec)
+    with pytest.raises(TypeError, match="x: a captured graph reads fixed device buffers"):
+        make_layer(spec, backend="cuda").capture(x, dy)
+    with pytest.raises(TypeError, match="capture: the 'reference' backend has no CUDA graphs"):
+        make_layer(spec).capture(x, dy)

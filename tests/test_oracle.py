@@ -1,7 +1,5 @@
 """The reference against PyTorch directly on random specs, and against finite differences."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 

@@ -104,6 +104,42 @@ class CudaBackend:
                                f"copied into newly allocated device memory)")
         return device_input(self.cuda, name, a, shape, self.spec.dtype, self.stream)
 
+    # Capture -------------------------------------------------------------------------------
+    @property
+    def stream_ptr(self) -> int:
+        return stream_handle(self.stream)
+
+    def _device_only(self, name: str, a: Any, shape: tuple[int, ...]):
+        if isinstance(a, np.ndarray):
+            raise TypeError(f"{name}: a captured graph reads fixed device buffers; pass a device array "
+                            f"(e.g. numba.cuda.to_device(x)), got a numpy.ndarray")
+        return device_input(self.cuda, name, a, shape, self.spec.dtype, self.stream)
+
+    def capture_step(self, x: Any, d_y: Any):
+        """A CUDA graph of forward(training=True) + backward_full on the device arrays x, d_y."""
+        from conv2d.cuda.capture import CapturedGraph
+
+        s = self.spec
+        x = self._device_only("x", x, s.input_shape)
+        d_y = self._device_only("d_y", d_y, s.output_shape)
+        if not self._frozen:
+            self.freeze()
+
+        def run():
+            self.forward(x, training=True)
+            self.backward(x, d_y, param_grads=True, input_grad=True)
+        return CapturedGraph(self, run, {"x": x, "d_y": d_y},
+                             {"y": self._outputs["y"], "d_x": self._outputs["d_x"]})
+
+    def capture_evaluate(self, x: Any):
+        """A CUDA graph of evaluate on the device array x."""
+        from conv2d.cuda.capture import CapturedGraph
+
+        x = self._device_only("x", x, self.spec.input_shape)
+        if not self._frozen:
+            self.freeze()
+        return CapturedGraph(self, lambda: self.evaluate(x), {"x": x}, {"y": self._outputs["y"]})
+
     # Launch helpers ------------------------------------------------------------------------
     def _elementwise(self, kernel, *args) -> None:
         blocks, threads = K.elementwise_grid(self.total)
