@@ -145,23 +145,19 @@ class CudaBackend:
         blocks, threads = K.elementwise_grid(self.total)
         kernel[blocks, threads, self.stream](*args)
 
-    def _column_sums(self, kind: int, z, d_y, mean, inv_std) -> Any:
-        """Per-channel totals (sums[0:C], sums[C:2C]) of a column reduction."""
+    def _column_partials(self, kind: int, z, d_y, mean, inv_std) -> None:
+        """Phase one of a per-channel reduction into self._col, (P, C) each."""
         gamma, beta = self._gamma_beta()
         grid = (-(-self.C // K.COL_X), self.P)
         self.k.column_partials[kind][grid, (K.COL_X, K.COL_Y), self.stream](
             z, d_y, mean, inv_std, gamma, beta, self.M, self.C, self.S, *self._col)
-        self.k.partials_final[self.C, K.WARP, self.stream](*self._col, self.P, self.C, self._sums_col)
-        return self._sums_col
 
-    def _segment_sums(self, kind: int, z, d_y, mean, inv_std) -> Any:
-        """Per-sample totals (sums[0:N], sums[N:2N]) of a segment reduction."""
+    def _segment_partials(self, kind: int, z, d_y, mean, inv_std) -> None:
+        """Phase one of a per-sample reduction into self._seg, (Q, N) each."""
         gamma, beta = self._gamma_beta()
         n = self.spec.batch_size
         self.k.segment_partials[kind][(n, self.Q), K.SEG_THREADS, self.stream](
             z, d_y, mean, inv_std, gamma, beta, self.C, self.S, *self._seg)
-        self.k.partials_final[n, K.WARP, self.stream](*self._seg, self.Q, n, self._sums_seg)
-        return self._sums_seg
 
     def _gamma_beta(self):
         if self.spec.normalization is Normalization.NONE:
@@ -181,14 +177,15 @@ class CudaBackend:
                 self.params["running_mean"], self.params["running_var"], eps, mean, inv_std)
             return False
         if norm is Normalization.BATCH_NORM:
-            sums, count, rm, rv = (self._column_sums(K.SUM_STATS, z, z, self._dummy, self._dummy), self.M,
-                                   self.params["running_mean"], self.params["running_var"])
+            self._column_partials(K.SUM_STATS, z, z, self._dummy, self._dummy)
+            (p0, p1), P, G, count = self._col, self.P, self.C, self.M
+            rm, rv = self.params["running_mean"], self.params["running_var"]
         else:
-            sums, count, rm, rv = (self._segment_sums(K.SUM_STATS, z, z, self._dummy, self._dummy), self.S,
-                                   self._dummy, self._dummy)
-        G = self.groups
-        self.k.stats_final[K.small_grid(G) + (self.stream,)](sums, z, self.S, np.float32(count), eps, mom, mean,
-                                                       inv_std, rm, rv, norm is Normalization.BATCH_NORM)
+            self._segment_partials(K.SUM_STATS, z, z, self._dummy, self._dummy)
+            (p0, p1), P, G, count = self._seg, self.Q, self.spec.batch_size, self.S
+            rm = rv = self._dummy
+        self.k.stats_final[G, K.WARP, self.stream](p0, p1, P, G, z, self.S, np.float32(count), eps, mom, mean,
+                                                   inv_std, rm, rv, norm is Normalization.BATCH_NORM)
         return True
 
     def _run(self, x: Any, training: bool, keep: bool):
@@ -233,16 +230,22 @@ class CudaBackend:
         gamma, beta = self._gamma_beta()
         sums, count = self._dummy, np.float32(1)
         if norm is not Normalization.NONE:
-            col = self._column_sums(K.SUM_GRADS, self._pre, d_y, mean, inv_std)
+            # Per channel: sum d_a and sum d_a * x_hat, the beta and gamma gradients, and
+            # for batch norm with batch statistics also what its backward needs.
+            self._column_partials(K.SUM_GRADS, self._pre, d_y, mean, inv_std)
+            C = self.C
             if param_grads:
-                C = self.C
-                launch = self.k.accumulate_f32[K.small_grid(C) + (self.stream,)]
-                launch(self.grads["beta"], col[0:C], C)
-                launch(self.grads["gamma"], col[C:2 * C], C)
+                self.k.final_accumulate_f32[C, K.WARP, self.stream](*self._col, self.P, C, self._sums_col,
+                                                                    self.grads["beta"], self.grads["gamma"])
+            else:
+                self.k.partials_final[C, K.WARP, self.stream](*self._col, self.P, C, self._sums_col)
             if norm is Normalization.LAYER_NORM:
-                sums, count = self._segment_sums(K.SUM_GRADS, self._pre, d_y, mean, inv_std), np.float32(self.S)
+                n = s.batch_size
+                self._segment_partials(K.SUM_GRADS, self._pre, d_y, mean, inv_std)
+                self.k.partials_final[n, K.WARP, self.stream](*self._seg, self.Q, n, self._sums_seg)
+                sums, count = self._sums_seg, np.float32(self.S)
             elif self._batch_stats:
-                sums, count = col, np.float32(self.M)
+                sums, count = self._sums_col, np.float32(self.M)
         self._elementwise(self.k.backward_dz, self._pre, d_y, self._d_z, mean, inv_std, gamma, beta, sums,
                           self._batch_stats, self.total, self.C, self.S, count)
         d_x = None
@@ -250,9 +253,9 @@ class CudaBackend:
             d_x = self._output("d_x", s.input_shape)
             self.conv.backward_data(self._d_z, self.params["weights"], d_x)
         if param_grads:
-            bias = self._column_sums(K.SUM_PLAIN, self._d_z, self._d_z, self._dummy, self._dummy)
-            C = self.C
-            self.k.accumulate[K.small_grid(C) + (self.stream,)](self.grads["bias"], bias[0:C], C)
+            self._column_partials(K.SUM_PLAIN, self._d_z, self._d_z, self._dummy, self._dummy)
+            self.k.final_accumulate_stored[self.C, K.WARP, self.stream](self._col[0], self.P, self.C,
+                                                                        self.grads["bias"])
             self.conv.backward_filter(x, self._d_z, self._d_w)
             n = self._d_w.size
             blocks, threads = K.elementwise_grid(n)

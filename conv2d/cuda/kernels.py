@@ -173,13 +173,13 @@ class KernelSet:
     forward_apply: object
     column_partials: dict  # SUM_* -> kernel
     segment_partials: dict  # SUM_STATS, SUM_GRADS -> kernel
-    partials_final: object
-    stats_final: object
+    partials_final: object  # phase two: the totals
+    stats_final: object  # phase two of the statistics: mean, inv_std, running update
+    final_accumulate_f32: object  # phase two, totals added into two float32 gradients
+    final_accumulate_stored: object  # phase two, the total added into a storage-format gradient
     running_stats: object
     backward_dz: object
-    accumulate: object  # float32 values into a storage-format array
-    accumulate_stored: object  # storage-format values into a storage-format array
-    accumulate_f32: object  # float32 values into a float32 array
+    accumulate_stored: object  # grad += new, elementwise, both in the storage format
 
 
 @functools.lru_cache(maxsize=None)
@@ -333,22 +333,53 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
     segment_partials = {k: make_segment_partials(k) for k in (SUM_STATS, SUM_GRADS)}
 
     @cuda.jit
-    def stats_final(sums, z, S, count, epsilon, momentum, mean, inv_std, running_mean, running_var, update):
-        """Mean and inv_std per group from the shifted sums (sums[g] = sum(z - shift),
-        sums[G + g] = sum((z - shift)^2), shift = the group's first value); with
-        `update`, running = (1 - momentum) * running + momentum * batch statistic."""
-        g = cuda.grid(1)
-        G = mean.size
-        if g < G:
+    def stats_final(p0, p1, P, G, z, S, count, epsilon, momentum, mean, inv_std, running_mean, running_var,
+                    update):
+        """Phase two of the statistics (one warp per group g): the shifted totals
+        t0 = sum(z - shift), t1 = sum((z - shift)^2), shift = the group's first value, give
+        mean and inv_std; with `update`, running = (1 - momentum) * running + momentum *
+        batch statistic."""
+        sh = cuda.shared.array(WARP, dtype=np.float32)
+        g = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        t0 = warp_sum(p0, P, G, g, sh, lane)
+        cuda.syncthreads()
+        t1 = warp_sum(p1, P, G, g, sh, lane)
+        if lane == 0:
             shift = load(z, g) if mode == NORM_BATCH else load(z, g * S)
-            m1 = sums[g] / count
-            var = max(sums[G + g] / count - m1 * m1, ZERO)
+            m1 = t0 / count
+            var = max(t1 / count - m1 * m1, ZERO)
             mu = shift + m1
             mean[g] = mu
             inv_std[g] = ONE / math.sqrt(var + epsilon)
             if update:
                 running_mean[g] = (ONE - momentum) * running_mean[g] + momentum * mu
                 running_var[g] = (ONE - momentum) * running_var[g] + momentum * var
+
+    @cuda.jit
+    def final_accumulate_f32(p0, p1, P, G, sums, grad0, grad1):
+        """partials_final, and grad0[g] += total0, grad1[g] += total1 (float32 gradients)."""
+        sh = cuda.shared.array(WARP, dtype=np.float32)
+        g = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        t0 = warp_sum(p0, P, G, g, sh, lane)
+        cuda.syncthreads()
+        t1 = warp_sum(p1, P, G, g, sh, lane)
+        if lane == 0:
+            sums[g] = t0
+            sums[G + g] = t1
+            grad0[g] += t0
+            grad1[g] += t1
+
+    @cuda.jit
+    def final_accumulate_stored(p0, P, G, grad):
+        """grad[g] += the total of p0 over its P partials (a storage-format gradient)."""
+        sh = cuda.shared.array(WARP, dtype=np.float32)
+        g = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        t0 = warp_sum(p0, P, G, g, sh, lane)
+        if lane == 0:
+            store(grad, g, load(grad, g) + t0)
 
     @cuda.jit
     def backward_dz(z, d_y, d_z, mean, inv_std, gamma, beta, sums, batch_stats, total, C, S, count):
@@ -382,25 +413,14 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
             inv_std[c] = ONE / math.sqrt(running_var[c] + epsilon)
 
     @cuda.jit
-    def accumulate(grad, new, total):
-        """grad += new, grad in the storage format, new float32."""
-        for i in range(cuda.grid(1), total, cuda.gridsize(1)):
-            store(grad, i, load(grad, i) + new[i])
-
-    @cuda.jit
     def accumulate_stored(grad, new, total):
         """grad += new, both in the storage format (the sum is rounded once, in float32)."""
         for i in range(cuda.grid(1), total, cuda.gridsize(1)):
             store(grad, i, load(grad, i) + load(new, i))
 
-    @cuda.jit
-    def accumulate_f32(grad, new, total):
-        """grad += new, both float32."""
-        for i in range(cuda.grid(1), total, cuda.gridsize(1)):
-            grad[i] += new[i]
-
     return KernelSet(forward_apply, column_partials, segment_partials, partials_final, stats_final,
-                     running_stats, backward_dz, accumulate, accumulate_stored, accumulate_f32)
+                     final_accumulate_f32, final_accumulate_stored, running_stats, backward_dz,
+                     accumulate_stored)
 
 
 def small_grid(total: int) -> tuple[int, int]:

@@ -126,6 +126,17 @@ def device_input(cuda, name: str, a: Any, shape: tuple[int, ...], dtype: DType, 
     if isinstance(a, np.ndarray):
         check_numpy(name, a, shape, st)
         return cuda.to_device(to_device_bits(a), stream=stream)
+    if hasattr(a, "copy_to_host") and hasattr(a, "is_c_contiguous"):
+        # numba's own device arrays: checked from their attributes and used as they are.
+        got = np.dtype(a.dtype)
+        if tuple(a.shape) != tuple(shape):
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {describe(a)}")
+        if got != dev_dt:
+            want = f"{st}" + (" (as uint16 bfloat16 bits)" if dev_dt != st else "")
+            raise TypeError(f"{name}: expected dtype {want}, got {describe(a)} (nothing is cast silently)")
+        if not a.is_c_contiguous():
+            raise ValueError(f"{name}: expected a C-contiguous array, got strides {tuple(a.strides)} (bytes)")
+        return a
     torch_dt = _torch_dtype_name(a)
     if torch_dt == "torch.bfloat16":
         if DType(dtype) is not DType.BFLOAT16:

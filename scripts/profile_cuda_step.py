@@ -1,0 +1,60 @@
+"""Where the host time of one eager CUDA training step goes: cProfile over repeated
+forward(training) + backward_full on device arrays, the top entries by own time.
+
+    python scripts/profile_cuda_step.py [--shape tiny_latency] [--bn] [--dtype float32] [--steps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_shapes import SHAPES, bench_spec, inputs  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="tiny_latency", choices=sorted(SHAPES))
+    ap.add_argument("--bn", action="store_true")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+
+    from conv2d import Conv2d
+    from conv2d.cuda.runtime import to_device_bits
+
+    spec = bench_spec(args.shape, args.bn, args.dtype)
+    layer = Conv2d(spec, "cuda")
+    layer.init_weights(np.random.default_rng(0))
+    cuda, stream = layer._impl.cuda, layer._impl.stream
+    x_host, dy_host = inputs(spec)
+    x, dy = cuda.to_device(to_device_bits(x_host)), cuda.to_device(to_device_bits(dy_host))
+
+    def steps(n):
+        for _ in range(n):
+            layer.forward(x, training=True)
+            layer.backward_full(x, dy)
+        stream.synchronize()
+
+    steps(5)
+    t0 = time.perf_counter()
+    steps(args.steps)
+    per_step = (time.perf_counter() - t0) / args.steps * 1e6
+    print(f"{args.shape} {'bn' if args.bn else '-'} {args.dtype}: {per_step:.0f} us wall per step")
+    profile = cProfile.Profile()
+    profile.enable()
+    steps(args.steps)
+    profile.disable()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
