@@ -10,16 +10,12 @@ from typing import Sequence
 import numpy as np
 
 from conv2d.dtypes import UNIT_ROUNDOFF, storage_dtype
+from conv2d.host import as_numpy
 from conv2d.layer import Conv2d
 from conv2d.spec import LayerSpec
 
 DEMO_SPEC = dict(batch_size=32, in_height=16, in_width=16, in_channels=3, out_channels=8,
                  kernel=3, stride=1, padding=1, activation="tanh")
-
-
-def _to_host(a, dtype) -> np.ndarray:
-    from conv2d.testing.golden import as_numpy
-    return as_numpy(a, dtype)
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -42,7 +38,7 @@ def demo(args: argparse.Namespace) -> int:
         # Inference on inputs never trained on; with batch norm both layers use their
         # running statistics, so the student must have learnt those too.
         want = teacher.evaluate(held_out).astype(np.float64)
-        got = _to_host(student.evaluate(held_out), st).astype(np.float64)
+        got = as_numpy(student.evaluate(held_out), st).astype(np.float64)
         return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
     print(f"demo: {spec.batch_size}x{spec.in_height}x{spec.in_width}x{spec.in_channels} -> "
@@ -58,7 +54,7 @@ def demo(args: argparse.Namespace) -> int:
         # The teacher runs as the student does, so that with batch norm both use batch
         # statistics and both keep running ones.
         want = teacher.forward(x, training=True).astype(np.float64)
-        y = _to_host(student.forward(x, training=True), st).astype(np.float64)
+        y = as_numpy(student.forward(x, training=True), st).astype(np.float64)
         diff = y - want
         loss = 0.5 * float((diff * diff).mean())
         losses.append(loss)

@@ -28,7 +28,6 @@ class Conv2d:
             raise TypeError(f"spec: expected a LayerSpec, got {type(spec).__name__}")
         self.spec = spec
         self.backend = backend
-        self._backend_options = dict(backend_options)
         self._impl: Backend = make_backend(backend, spec, **backend_options)
 
     def __repr__(self) -> str:

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
 if HAVE_GPU:
     from conv2d.dtypes import storage_dtype
     from conv2d.testing import assert_close, cancellation_scales, reduction_lengths
-    from conv2d.testing.golden import MODES, as_numpy, check_case, golden_files, load_case, run_case
+    from conv2d.host import as_numpy
+    from conv2d.testing.golden import MODES, check_case, golden_files, load_case, run_case
 
     FILES = golden_files(GOLDEN_DIR)
 else:

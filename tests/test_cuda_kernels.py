@@ -14,7 +14,8 @@ import ml_dtypes  # noqa: E402
 from conv2d import Conv2d  # noqa: E402
 from conv2d.cuda import kernels as K  # noqa: E402
 from conv2d.cuda.runtime import numba_cuda  # noqa: E402
-from conv2d.testing.golden import MODES, as_numpy, check_case, golden_files, load_case, run_case  # noqa: E402
+from conv2d.host import as_numpy  # noqa: E402
+from conv2d.testing.golden import MODES, check_case, golden_files, load_case, run_case  # noqa: E402
 from host_convolutions import HostConvolutions  # noqa: E402
 
 cuda = numba_cuda()

@@ -11,6 +11,7 @@ import numpy as np
 
 from conv2d.activations import JUMPING_DERIVATIVE
 from conv2d.dtypes import storage_dtype
+from conv2d.host import as_numpy
 from conv2d.layer import Conv2d
 from conv2d.spec import DType, LayerSpec
 from conv2d.state import state_layout
@@ -43,24 +44,6 @@ def load_case(path: Path) -> GoldenCase:
         arrays = {k: f[k] for k in f.files}
     spec = LayerSpec.from_dict(json.loads(arrays.pop("spec").tobytes().decode()))
     return GoldenCase(path.stem, spec, arrays)
-
-
-def as_numpy(a: Any, dtype: np.dtype | None = None) -> np.ndarray:
-    """A host copy of a NumPy, numba, CuPy or torch array; with `dtype` bfloat16, device
-    arrays of uint16 bits (the CUDA backend's bfloat16) are viewed as bfloat16."""
-    if isinstance(a, np.ndarray):
-        out = a
-    elif hasattr(a, "copy_to_host"):
-        out = a.copy_to_host()
-    elif hasattr(a, "get"):
-        out = a.get()
-    elif hasattr(a, "detach"):
-        out = a.detach().cpu().numpy()
-    else:
-        raise TypeError(f"as_numpy: cannot copy a {type(a).__name__} to the host")
-    if dtype is not None and out.dtype == np.uint16 and np.dtype(dtype) == storage_dtype(DType.BFLOAT16):
-        out = out.view(dtype)
-    return out
 
 
 def run_case(case: GoldenCase, dtype: DType | str, mode: str, backend: str = "reference",
