@@ -242,6 +242,8 @@ def test_freeze_reuses_output_buffers_and_refuses_host_arrays():
     assert d1.__cuda_array_interface__["data"][0] == d2.__cuda_array_interface__["data"][0]
     with pytest.raises(RuntimeError, match="frozen"):
         layer.forward(x)
+    layer.freeze()  # again: a no-op that keeps the buffers
+    assert layer.forward(xt).__cuda_array_interface__["data"][0] == y1.__cuda_array_interface__["data"][0]
 
 
 def test_to_moves_state_and_gradients_both_ways():

@@ -84,7 +84,10 @@ class CudaBackend:
     # Memory --------------------------------------------------------------------------------
     def freeze(self) -> None:
         """Forbid allocation from now on: the workspace may not grow, and outputs are written
-        into layer-owned buffers (y, d_x) that the next call of the same operation reuses."""
+        into layer-owned buffers (y, d_x) that the next call of the same operation reuses.
+        Freezing a frozen layer changes nothing."""
+        if self._frozen:
+            return
         alloc = self.cuda.device_array
         self._outputs = {"y": alloc(self.spec.output_shape, self.dev_dt),
                          "d_x": alloc(self.spec.input_shape, self.dev_dt)}
