@@ -23,6 +23,9 @@ def demo(args: argparse.Namespace) -> int:
     on half the mean squared error of their outputs on fresh Gaussian inputs."""
     from tqdm import tqdm
 
+    if args.plot:
+        _require_matplotlib()  # before training, not after it
+
     spec = LayerSpec(**DEMO_SPEC, normalization=args.normalization, dtype=args.dtype)
     rng = np.random.default_rng(args.seed)
     teacher = Conv2d(spec, "reference")
@@ -80,11 +83,15 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _plot(losses: list[float], path: str) -> None:
+def _require_matplotlib() -> None:
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError as e:
         raise SystemExit(f"--plot needs matplotlib: pip install 'conv2d[plot]' ({e})")
+
+
+def _plot(losses: list[float], path: str) -> None:
+    import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

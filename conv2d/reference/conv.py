@@ -3,7 +3,8 @@
 All arrays NHWC and C-contiguous, in one float dtype (the caller's compute dtype):
 `x` (N, H, W, C), weights `w` (OC, KH, KW, C), `d_z` (N, OH, OW, OC). The forward and
 backward-filter convolutions are a strided window view of the padded input and one
-matrix product each; backward-data is one product per kernel tap. BLAS does the work.
+matrix product per block of samples; backward-data is one product per kernel tap and
+block. BLAS does the work.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ def windows(xp: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int]) ->
 BLOCK_BYTES = 4 << 20
 
 
-def _blocks(n: int, bytes_per_sample: int) -> range:
-    step = max(1, BLOCK_BYTES // max(1, bytes_per_sample))
-    return range(0, n, step)
+def _block_samples(bytes_per_sample: int) -> int:
+    """How many samples make one block of about BLOCK_BYTES (at least one)."""
+    return max(1, BLOCK_BYTES // max(1, bytes_per_sample))
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
@@ -51,7 +52,7 @@ def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
     n, oh, ow = cols.shape[:3]
     w_t = w.reshape(oc, kh * kw * c).T
     y = np.empty((n, oh, ow, oc), dtype=np.result_type(x, w))
-    step = _blocks(n, oh * ow * kh * kw * c * x.itemsize).step
+    step = _block_samples(oh * ow * kh * kw * c * x.itemsize)
     for i in range(0, n, step):
         # The reshape copies the overlapping windows into one matrix (im2col).
         block = cols[i:i + step].reshape(-1, kh * kw * c)
@@ -67,7 +68,7 @@ def conv_backward_filter(x: np.ndarray, d_z: np.ndarray, kernel: tuple[int, int]
     c = x.shape[3]
     cols = windows(pad(x, padding), kernel, stride)
     d_w = np.zeros((oc, kh * kw * c), dtype=np.result_type(x, d_z))
-    step = _blocks(n, oh * ow * kh * kw * c * x.itemsize).step
+    step = _block_samples(oh * ow * kh * kw * c * x.itemsize)
     for i in range(0, n, step):
         d_w += d_z[i:i + step].reshape(-1, oc).T @ cols[i:i + step].reshape(-1, kh * kw * c)
     return d_w.reshape(oc, kh, kw, c)
@@ -89,7 +90,7 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
     h, w_in = input_hw
     hp, wp = h + 2 * ph, w_in + 2 * pw
     d_xp = np.zeros((n, hp, wp, c), dtype=np.result_type(w, d_z))
-    step = _blocks(n, (hp * wp + oh * ow) * c * d_xp.itemsize).step
+    step = _block_samples((hp * wp + oh * ow) * c * d_xp.itemsize)
     for b in range(0, n, step):
         rows = d_z[b:b + step].reshape(-1, oc)
         out = d_xp[b:b + step]
