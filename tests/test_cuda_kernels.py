@@ -63,7 +63,7 @@ def test_bfloat16_conversion_rounds_like_ml_dtypes():
 @pytest.mark.parametrize("norm", ["batch_norm", "layer_norm"])
 def test_reductions_over_several_partials_match_the_reference(monkeypatch, norm):
     # Small shapes give one partial per group; force several to exercise phase two.
-    monkeypatch.setattr(K, "column_partition", lambda M: 3)
+    monkeypatch.setattr(K, "row_partition", lambda M, C: 3)
     monkeypatch.setattr(K, "segment_partition", lambda S: 2)
     spec = LayerSpec(batch_size=2, in_height=6, in_width=5, in_channels=2, out_channels=3, kernel=3, padding=1,
                      activation="tanh", normalization=norm, dtype="float32")

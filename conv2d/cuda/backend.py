@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 
 from conv2d.cuda import cudnn, kernels as K
+from conv2d.cuda.launch import Launch
+from conv2d.cuda.memory import OutputAllocator
 from conv2d.cuda.runtime import (as_stream, device_dtype, device_input, from_device_bits, numba_cuda,
                                  require_gpu, stream_handle, to_device_bits)
 from conv2d.dtypes import storage_dtype
@@ -23,17 +25,20 @@ from conv2d.state import grad_layout, initial_state, state_layout
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, spec: LayerSpec, stream: Any = None, allow_tf32: bool = False,
+    def __init__(self, spec: LayerSpec, stream: Any = None, allow_tf32: bool = False, autotune: bool = False,
                  convolutions: Any = None) -> None:
         """`stream`: the caller's stream (numba, torch or cupy stream, or a CUstream int);
         a new one by default. `allow_tf32`: let float32 convolutions use TF32 tensor cores.
-        `convolutions`: a stand-in for cuDNN with `cudnn.Convolutions`' methods (tests use
-        one in numba's simulator, where cuDNN cannot run)."""
+        `autotune`: time every deterministic cuDNN plan of each convolution once per
+        process and use the fastest (else cuDNN's heuristic choice). `convolutions`: a
+        stand-in for cuDNN with `cudnn.Convolutions`' methods (tests use one in numba's
+        simulator, where cuDNN cannot run)."""
         if spec.dtype is DType.FLOAT64:
             raise ValueError("dtype: float64 is the reference backend's oracle type; the CUDA backend takes "
                              "float32, float16 or bfloat16")
-        if not isinstance(allow_tf32, bool):
-            raise TypeError(f"allow_tf32: expected a bool, got {allow_tf32!r}")
+        for name, value in (("allow_tf32", allow_tf32), ("autotune", autotune)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}: expected a bool, got {value!r}")
         cuda = numba_cuda() if convolutions is not None else require_gpu()
         self.cuda = cuda
         self.spec = spec
@@ -42,7 +47,7 @@ class CudaBackend:
         self.relu_fusion = norm is Normalization.NONE and spec.activation.value == "relu"
         if convolutions is None:
             convolutions = cudnn.Convolutions(cuda, spec, stream_handle(self.stream), cuda.get_current_device().id,
-                                              allow_tf32, self.relu_fusion)
+                                              allow_tf32, self.relu_fusion, autotune)
         self.conv = convolutions
         self.k = K.kernel_set(spec.dtype.value, spec.activation, spec.normalization)
         self.dev_dt = device_dtype(spec.dtype)
@@ -52,7 +57,7 @@ class CudaBackend:
         self.M, self.C, self.S = n * oh * ow, oc, oh * ow * oc
         self.total = self.M * self.C
         self.groups = {Normalization.BATCH_NORM: oc, Normalization.LAYER_NORM: n}.get(norm, 1)
-        self.P = K.column_partition(self.M)
+        self.P = K.row_partition(self.M, self.C)
         self.Q = K.segment_partition(self.S)
         f32 = np.float32
         alloc = cuda.device_array
@@ -75,11 +80,18 @@ class CudaBackend:
         self._sums_seg = alloc(2 * n, f32)
         self._d_z = alloc(self.total, self.dev_dt)
         self._d_w = alloc(int(np.prod(spec.weight_shape)), self.dev_dt)
+        self._allocator = OutputAllocator(cuda, self.stream)
+        self._launches: dict = {}
         self._frozen = False
         self._outputs = None
 
     def _dt(self, dt: np.dtype) -> np.dtype:
         return self.dev_dt if dt == self.st else dt
+
+    @property
+    def conv_plans(self) -> dict[str, str]:
+        """The cuDNN plan (engine name) of each of the layer's convolution graphs."""
+        return dict(getattr(self.conv, "plans", {}))
 
     # Memory --------------------------------------------------------------------------------
     def freeze(self) -> None:
@@ -99,7 +111,7 @@ class CudaBackend:
     def _output(self, name: str, shape: tuple[int, ...]):
         if self._outputs is not None:
             return self._outputs[name]
-        return self.cuda.device_array(shape, self.dev_dt, stream=self.stream)
+        return self._allocator.array(shape, self.dev_dt)
 
     def _input(self, name: str, a: Any, shape: tuple[int, ...]):
         if self._frozen and isinstance(a, np.ndarray):
@@ -143,52 +155,54 @@ class CudaBackend:
             self.freeze()
         return CapturedGraph(self, lambda: self.evaluate(x), {"x": x}, {"y": self._outputs["y"]})
 
-    # Launch helpers ------------------------------------------------------------------------
-    def _elementwise(self, kernel, *args) -> None:
-        blocks, threads = K.elementwise_grid(self.total)
-        kernel[blocks, threads, self.stream](*args)
+    # Launches ------------------------------------------------------------------------------
+    def _launch(self, key: Any, kernel: Any, grid: Any, block: Any, *args: Any) -> Launch:
+        """The prepared launch named `key`, made from these arguments the first time."""
+        found = self._launches.get(key)
+        if found is None:
+            found = self._launches[key] = Launch(kernel, grid, block, self.stream, args)
+        return found
 
-    def _column_partials(self, kind: int, z, d_y, mean, inv_std) -> None:
-        """Phase one of a per-channel reduction into self._col, (P, C) each."""
+    def _rows(self, key: Any, kind: int, z, d_y, out, stats, sums=None, batch_stats: bool = False,
+              count: float = 1.0) -> Launch:
+        """A row kernel (kernels.rows) over the (M, C) values; partials go to self._col."""
+        d = self._dummy
         gamma, beta = self._gamma_beta()
-        grid = (-(-self.C // K.COL_X), self.P)
-        self.k.column_partials[kind][grid, (K.COL_X, K.COL_Y), self.stream](
-            z, d_y, mean, inv_std, gamma, beta, self.M, self.C, self.S, *self._col)
-
-    def _segment_partials(self, kind: int, z, d_y, mean, inv_std) -> None:
-        """Phase one of a per-sample reduction into self._seg, (Q, N) each."""
-        gamma, beta = self._gamma_beta()
-        n = self.spec.batch_size
-        self.k.segment_partials[kind][(n, self.Q), K.SEG_THREADS, self.stream](
-            z, d_y, mean, inv_std, gamma, beta, self.C, self.S, *self._seg)
+        return self._launch(key, self.k.rows[kind], self.P, K.ROW_THREADS, z, d_y, out, *stats, gamma, beta,
+                            d if sums is None else sums, batch_stats, np.float32(count), self.M, self.C, self.S,
+                            *self._col)
 
     def _gamma_beta(self):
         if self.spec.normalization is Normalization.NONE:
             return self._dummy, self._dummy
         return self.params["gamma"], self.params["beta"]
 
+    def _final(self, key: Any, kernel: Any, groups: int, *args: Any) -> None:
+        self._launch(key, kernel, groups, K.WARP, *args)()
+
     # Forward -------------------------------------------------------------------------------
-    def _statistics(self, z, stats, training: bool) -> bool:
-        """Fill stats = (mean, inv_std); returns whether they came from the batch."""
-        s, norm = self.spec, self.spec.normalization
-        mean, inv_std = stats
+    def _statistics(self, z, stats, training: bool, keep: bool) -> bool:
+        """Fill stats = (mean, inv_std) from z; returns whether they came from the batch."""
+        s, norm, d = self.spec, self.spec.normalization, self._dummy
         if norm is Normalization.NONE:
             return False
         eps, mom = np.float32(s.bn_epsilon), np.float32(s.bn_momentum)
         if norm is Normalization.BATCH_NORM and not training:
-            self.k.running_stats[K.small_grid(self.C) + (self.stream,)](
-                self.params["running_mean"], self.params["running_var"], eps, mean, inv_std)
+            self._launch(("running", keep), self.k.running_stats, *K.small_grid(self.C),
+                         self.params["running_mean"], self.params["running_var"], eps, *stats)()
             return False
         if norm is Normalization.BATCH_NORM:
-            self._column_partials(K.SUM_STATS, z, z, self._dummy, self._dummy)
-            (p0, p1), P, G, count = self._col, self.P, self.C, self.M
-            rm, rv = self.params["running_mean"], self.params["running_var"]
+            self._rows(("stats", keep), K.SUM_STATS, z, z, d, (d, d))()
+            self._final(("stats_final", keep), self.k.stats_final, self.C, *self._col, self.P, self.C, z, self.S,
+                        np.float32(self.M), eps, mom, *stats, self.params["running_mean"],
+                        self.params["running_var"], True)
         else:
-            self._segment_partials(K.SUM_STATS, z, z, self._dummy, self._dummy)
-            (p0, p1), P, G, count = self._seg, self.Q, self.spec.batch_size, self.S
-            rm = rv = self._dummy
-        self.k.stats_final[G, K.WARP, self.stream](p0, p1, P, G, z, self.S, np.float32(count), eps, mom, mean,
-                                                   inv_std, rm, rv, norm is Normalization.BATCH_NORM)
+            n = s.batch_size
+            gamma, beta = self._gamma_beta()
+            self._launch(("seg_stats", keep), self.k.segment_partials[K.SUM_STATS], (n, self.Q), K.SEG_THREADS,
+                         z, z, d, d, gamma, beta, self.C, self.S, *self._seg)()
+            self._final(("seg_stats_final", keep), self.k.stats_final, n, *self._seg, self.Q, n, z, self.S,
+                        np.float32(self.S), eps, mom, *stats, d, d, False)
         return True
 
     def _run(self, x: Any, training: bool, keep: bool):
@@ -196,8 +210,12 @@ class CudaBackend:
         x = self._input("x", x, s.input_shape)
         y = self._output("y", s.output_shape)
         p = self.params
-        if not keep and self.relu_fusion:
-            self.conv.forward(x, p["weights"], p["bias"], y, relu=True)
+        if self.relu_fusion:
+            if keep:
+                self.conv.forward_keep_relu(x, p["weights"], p["bias"], self._pre, y)
+                self._have_cache, self._batch_stats = True, False
+            else:
+                self.conv.forward(x, p["weights"], p["bias"], y, relu=True)
             return y
         if keep:
             z, stats = self._pre, self._stats
@@ -206,10 +224,12 @@ class CudaBackend:
                 self._eval_pre = self.cuda.device_array(self.total, self.dev_dt)
             z, stats = self._eval_pre, self._eval_stats
         self.conv.forward(x, p["weights"], p["bias"], z)
-        from_batch = self._statistics(z, stats, training)
-        gamma, beta = self._gamma_beta()
-        self._elementwise(self.k.forward_apply, z, y.reshape(self.total), *stats, gamma, beta,
-                          self.total, self.C, self.S)
+        from_batch = self._statistics(z, stats, training, keep)
+        # Arguments that change per call are prepared with a layer buffer of the same
+        # size and dtype standing in, then set.
+        apply = self._rows(("apply", keep), K.WRITE_Y, z, z, self._d_z, stats)
+        apply.set(2, y)
+        apply()
         if keep:
             self._have_cache, self._batch_stats = True, from_batch
         return y
@@ -228,41 +248,48 @@ class CudaBackend:
         d_y = self._input("d_y", d_y, s.output_shape)
         if not self._have_cache:
             raise RuntimeError("backward: no forward pass to differentiate; call forward(x) first")
-        d_y = d_y.reshape(self.total)
-        mean, inv_std = self._stats if norm is not Normalization.NONE else (self._dummy, self._dummy)
-        gamma, beta = self._gamma_beta()
-        sums, count = self._dummy, np.float32(1)
+        stats = self._stats if norm is not Normalization.NONE else (self._dummy, self._dummy)
+        sums, count = None, 1.0
         if norm is not Normalization.NONE:
             # Per channel: sum d_a and sum d_a * x_hat, the beta and gamma gradients, and
             # for batch norm with batch statistics also what its backward needs.
-            self._column_partials(K.SUM_GRADS, self._pre, d_y, mean, inv_std)
+            grads = self._rows("grads", K.SUM_GRADS, self._pre, self._d_z, self._dummy, stats)
+            grads.set(1, d_y)
+            grads()
             C = self.C
             if param_grads:
-                self.k.final_accumulate_f32[C, K.WARP, self.stream](*self._col, self.P, C, self._sums_col,
-                                                                    self.grads["beta"], self.grads["gamma"])
+                self._final("grads_final_acc", self.k.final_accumulate_f32, C, *self._col, self.P, C, self._sums_col,
+                            self.grads["beta"], self.grads["gamma"])
             else:
-                self.k.partials_final[C, K.WARP, self.stream](*self._col, self.P, C, self._sums_col)
+                self._final("grads_final", self.k.partials_final, C, *self._col, self.P, C, self._sums_col)
             if norm is Normalization.LAYER_NORM:
                 n = s.batch_size
-                self._segment_partials(K.SUM_GRADS, self._pre, d_y, mean, inv_std)
-                self.k.partials_final[n, K.WARP, self.stream](*self._seg, self.Q, n, self._sums_seg)
-                sums, count = self._sums_seg, np.float32(self.S)
+                gamma, beta = self._gamma_beta()
+                seg = self._launch("seg_grads", self.k.segment_partials[K.SUM_GRADS], (n, self.Q), K.SEG_THREADS,
+                                   self._pre, self._d_z, *stats, gamma, beta, self.C, self.S, *self._seg)
+                seg.set(1, d_y)
+                seg()
+                self._final("seg_grads_final", self.k.partials_final, n, *self._seg, self.Q, n, self._sums_seg)
+                sums, count = self._sums_seg, self.S
             elif self._batch_stats:
-                sums, count = self._sums_col, np.float32(self.M)
-        self._elementwise(self.k.backward_dz, self._pre, d_y, self._d_z, mean, inv_std, gamma, beta, sums,
-                          self._batch_stats, self.total, self.C, self.S, count)
+                sums, count = self._sums_col, self.M
+        # d_z through the activation and the norm, and its per-channel partial sums (the
+        # bias gradient) in the same pass.
+        dz = self._rows(("dz", self._batch_stats), K.WRITE_DZ, self._pre, self._pre, self._d_z, stats, sums,
+                        self._batch_stats, count)
+        dz.set(1, d_y)
+        dz()
         d_x = None
         if input_grad:
             d_x = self._output("d_x", s.input_shape)
             self.conv.backward_data(self._d_z, self.params["weights"], d_x)
         if param_grads:
-            self._column_partials(K.SUM_PLAIN, self._d_z, self._d_z, self._dummy, self._dummy)
-            self.k.final_accumulate_stored[self.C, K.WARP, self.stream](self._col[0], self.P, self.C,
-                                                                        self.grads["bias"])
+            self._final("bias_final", self.k.final_accumulate_stored, self.C, self._col[0], self.P, self.C,
+                        self.grads["bias"])
             self.conv.backward_filter(x, self._d_z, self._d_w)
             n = self._d_w.size
-            blocks, threads = K.elementwise_grid(n)
-            self.k.accumulate_stored[blocks, threads, self.stream](self.grads["weights"], self._d_w, n)
+            self._launch("accumulate_w", self.k.accumulate_stored, *K.elementwise_grid(n), self.grads["weights"],
+                         self._d_w, n)()
         return d_x
 
     # State ---------------------------------------------------------------------------------

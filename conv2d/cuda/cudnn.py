@@ -1,8 +1,11 @@
 """The one module that talks to cuDNN, through NVIDIA's cudnn-frontend graph API.
 
-For a LayerSpec it builds, once per (spec, device, TF32 choice), the graphs the layer
-runs: forward (convolution + bias, and convolution + bias + ReLU for evaluation without
-a norm), backward-data and backward-filter. Tensors are NHWC in memory and described to
+For a LayerSpec it builds, once per (spec, device, TF32 choice, plan choice), the graphs
+the layer runs: forward (convolution + bias; convolution + bias + ReLU for evaluation
+without a norm; convolution + bias writing the pre-activations and their ReLU, for
+training without a norm), backward-data and backward-filter. Plans are cuDNN's
+heuristic first choice, or with `autotune` the fastest deterministic plan measured on
+this GPU (`Graph.plan`, the engine's name, says which). Tensors are NHWC in memory and described to
 cuDNN in its NCHW dimension order with NHWC strides; weights (OC, KH, KW, IC) likewise.
 Only engines without the NONDETERMINISTIC numerical note are kept; float32 keeps only
 engines without TENSOR_CORE / DOWN_CONVERT_INPUTS (no TF32) unless TF32 is allowed;
@@ -13,9 +16,11 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from conv2d.cuda.launch import device_pointer
 from conv2d.cuda.runtime import INSTALL_HINT, CudaUnavailableError
 from conv2d.spec import DType, LayerSpec
 
@@ -69,7 +74,7 @@ def create_handle(stream_ptr: int) -> Any:
 
 @dataclass
 class Graph:
-    """One built cuDNN graph and its tensors by role; `run` executes it on raw pointers."""
+    """One built cuDNN graph, its tensors by role and the name of its plan."""
 
     op: str
     spec: LayerSpec
@@ -77,16 +82,65 @@ class Graph:
     tensors: dict  # role -> frontend tensor
     workspace_size: int
     lock: threading.Lock
+    plan: str = "?"
 
-    def run(self, handle: Any, pointers: dict, workspace_ptr: int) -> None:
-        pack = {self.tensors[role]: ptr for role, ptr in pointers.items()}
+
+class Execution:
+    """A graph's execute prepared once for a handle and a workspace: `set(role, ptr)`
+    rewrites one device pointer, `run()` executes.
+
+    The frontend's `execute` normalises its variant pack on every call (25-30 us of host
+    time measured on the H200); its native entry point takes an array of pointers in the
+    graph's uid order (6 us). That array is built here once. Where the frontend does not
+    offer that entry point, its public ordered form (`tensor_uids=`) is used instead.
+    """
+
+    def __init__(self, graph: Graph, handle: Any, workspace_ptr: int) -> None:
+        import ctypes
+
+        self.graph = graph
+        self._handle = handle
+        self._workspace = workspace_ptr
+        roles = list(graph.tensors)
+        uids = [graph.tensors[r].uid for r in roles]
+        self._uids = uids
+        self._ptrs = [0] * len(roles)
+        self._index = {r: i for i, r in enumerate(roles)}
+        self._native = None
+        try:
+            from cudnn._handle import to_backend_handle
+
+            g = graph.graph
+            order = [int(u) for u in g._variant_pack_uids()]
+            if sorted(order) != sorted(uids):
+                raise LookupError("the graph's variant pack has other tensors")
+            cfg = g._materialize_backend_plan(g._plan_index) if g._plans else None
+            cpp_index = -1 if cfg is None or cfg.cpp_index is None else int(cfg.cpp_index)
+            self._array = (ctypes.c_void_p * len(order))()
+            self._slot = {r: order.index(graph.tensors[r].uid) for r in roles}
+            self._native = (g._lowered_graph._execute_with_raw_ptrs, ctypes.addressof(self._array), len(order),
+                            workspace_ptr, to_backend_handle(handle) or 0, cpp_index)
+        except Exception:  # another frontend version: its public ordered execute
+            self._native = None
+
+    def set(self, role: str, ptr: int) -> None:
+        self._ptrs[self._index[role]] = ptr
+        if self._native is not None:
+            self._array[self._slot[role]] = ptr
+
+    def run(self) -> None:
+        g = self.graph
         try:
             # The frontend's graph object keeps lazily built execution caches: one
             # thread at a time per graph (launches are asynchronous, so this is brief).
-            with self.lock:
-                self.graph.execute(pack, workspace_ptr, handle=handle)
+            with g.lock:
+                if self._native is not None:
+                    fn, *args = self._native
+                    fn(*args)
+                else:
+                    g.graph.execute(self._ptrs, self._workspace, handle=self._handle, tensor_uids=self._uids)
         except Exception as e:
-            raise CudnnError(f"cuDNN {self.op} for {self.spec}: {e}") from e
+            raise CudnnError(f"cuDNN {g.op} for {g.spec}: {e}") from e
 
 
 def _dims(spec: LayerSpec) -> dict[str, tuple[list[int], list[int]]]:
@@ -101,7 +155,7 @@ def _dims(spec: LayerSpec) -> dict[str, tuple[list[int], list[int]]]:
     }
 
 
-def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool) -> Graph:
+def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autotune: Any = None) -> Graph:
     cudnn = _import_cudnn()
     dt = {DType.FLOAT32: cudnn.data_type.FLOAT, DType.FLOAT16: cudnn.data_type.HALF,
           DType.BFLOAT16: cudnn.data_type.BFLOAT16}[spec.dtype]
@@ -115,10 +169,13 @@ def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool) -> Graph:
             dim, stride = d[role]
             return g.tensor(name=role, dim=dim, stride=stride, data_type=dtype)
 
-        if op in ("forward", "forward_relu"):
+        if op in ("forward", "forward_relu", "forward_keep_relu"):
             t = {"x": tensor("x"), "w": tensor("w"), "b": tensor("b")}
             out = g.bias(input=g.conv_fprop(image=t["x"], weight=t["w"], **conv), bias=t["b"])
-            if op == "forward_relu":
+            if op == "forward_keep_relu":
+                out.set_output(True).set_data_type(dt)
+                t["z"] = out
+            if op != "forward":
                 out = g.relu(input=out)
             out.set_output(True).set_data_type(dt)
             t["y"] = out
@@ -146,8 +203,16 @@ def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool) -> Graph:
             notes += [cudnn.numerical_note.REDUCED_PRECISION_REDUCTION]
         g.deselect_numeric_notes(notes)
         g.check_support()
-        g.build_plans()
+        plan = None
+        if autotune is not None:
+            plan = _autotune(cudnn, g, t, autotune)
+        if plan is None:
+            g.build_plans()
         workspace = int(g.get_workspace_size())
+        try:
+            name = str(g.get_plan_name_at_index(g._plan_index))
+        except Exception:
+            name = "?"
     except CudnnError:
         raise
     except Exception as e:
@@ -158,7 +223,35 @@ def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool) -> Graph:
             pass
         raise CudnnError(f"cuDNN {op} for {spec}: no deterministic engine could be built "
                          f"({type(e).__name__}: {e}{'; ' + detail if detail else ''})") from e
-    return Graph(op, spec, g, t, workspace, threading.Lock())
+    return Graph(op, spec, g, t, workspace, threading.Lock(), name)
+
+
+AUTOTUNE_MAX_WORKSPACE = 1 << 30
+
+
+def _autotune(cudnn: Any, g: Any, tensors: dict, bench: Any) -> int | None:
+    """Build every plan, time each on random data (`bench(pack, run)` returns ms),
+    pin the fastest; plans within 2% of it count as equal and the heuristic's earlier
+    rank wins, so that noise changes the choice less often. Returns the index, or None
+    where no plan could be timed (the caller builds the heuristic's choice)."""
+    g.build_plans(cudnn.build_plan_policy.ALL)
+    timed = []
+    for i in range(g.get_execution_plan_count()):
+        try:
+            ws = int(g.get_workspace_size_plan_at_index(i))
+            if ws > AUTOTUNE_MAX_WORKSPACE:
+                continue
+            ms = bench(tensors, ws, lambda pack, wsp, handle, i=i: g.execute_plan_at_index(pack, wsp, i, handle=handle))
+        except Exception:  # a plan that did not build or run is not a candidate
+            continue
+        timed.append((ms, i))
+    if not timed:
+        return None
+    fastest = min(ms for ms, _ in timed)
+    best = min(i for ms, i in timed if ms <= fastest * 1.02)
+    g.select_plan(best)
+    g.build_plans()
+    return best
 
 
 _CACHE: dict = {}
@@ -166,13 +259,13 @@ _CACHE_LOCK = threading.Lock()
 _KEY_LOCKS: dict = {}
 
 
-def graph(op: str, spec: LayerSpec, device: int, allow_tf32: bool, handle: Any) -> Graph:
-    """The built graph for (op, the spec's convolution, device, allow_tf32), from the cache
-    or built now.
+def graph(op: str, spec: LayerSpec, device: int, allow_tf32: bool, handle: Any, autotune: Any = None) -> Graph:
+    """The built graph for (op, the spec's convolution, device, allow_tf32, autotuned or
+    not), from the cache or built now. `autotune`, if given, times a plan (see `_autotune`).
     Threads asking for the same key wait for one build; other keys build in parallel."""
     # The convolutions do not depend on the activation or norm: key by what they read.
     conv_key = (spec.input_shape, spec.out_channels, spec.kernel, spec.stride, spec.padding, spec.dtype)
-    key = (op, conv_key, device, bool(allow_tf32) and spec.dtype is DType.FLOAT32)
+    key = (op, conv_key, device, bool(allow_tf32) and spec.dtype is DType.FLOAT32, autotune is not None)
     with _CACHE_LOCK:
         found = _CACHE.get(key)
         if found is not None:
@@ -182,7 +275,7 @@ def graph(op: str, spec: LayerSpec, device: int, allow_tf32: bool, handle: Any) 
         with _CACHE_LOCK:
             found = _CACHE.get(key)
         if found is None:
-            found = _build(op, spec, handle, allow_tf32)
+            found = _build(op, spec, handle, allow_tf32, autotune)
             with _CACHE_LOCK:
                 _CACHE[key] = found
     return found
@@ -195,27 +288,34 @@ def cache_size() -> int:
 
 class Convolutions:
     """A layer's three convolutions through cuDNN, on its handle and stream, with one
-    workspace grown on demand (and not at all once frozen).
+    workspace sized for all of its graphs (and never grown once frozen).
 
     Arguments are numba device arrays, NHWC/C-contiguous, in the layer's storage format:
-    `forward(x, w, b, y, relu)` writes y = [relu](conv(x, w) + b); `backward_data(d_z, w,
-    d_x)` writes d_x; `backward_filter(x, d_z, d_w)` writes d_w (storage format too).
+    `forward(x, w, b, y, relu)` writes y = [relu](conv(x, w) + b); `forward_keep_relu(x,
+    w, b, z, y)` writes z = conv(x, w) + b and y = relu(z); `backward_data(d_z, w, d_x)`
+    writes d_x; `backward_filter(x, d_z, d_w)` writes d_w (storage format too).
+    `plans` names the cuDNN plan of each graph.
     """
 
     def __init__(self, cuda, spec: LayerSpec, stream_ptr: int, device: int, allow_tf32: bool,
-                 relu_fusion: bool) -> None:
+                 relu_fusion: bool, autotune: bool = False) -> None:
         import numpy as np
 
         self._np = np
         self.cuda = cuda
         self.handle = create_handle(stream_ptr)
-        ops = ["forward", "backward_data", "backward_filter"] + (["forward_relu"] if relu_fusion else [])
-        self.graphs = {op: graph(op, spec, device, allow_tf32, self.handle) for op in ops}
+        ops = ["forward", "backward_data", "backward_filter"]
+        if relu_fusion:
+            ops += ["forward_relu", "forward_keep_relu"]
+        bench = _Bench(cuda, spec, stream_ptr, self.handle) if autotune else None
+        self.graphs = {op: graph(op, spec, device, allow_tf32, self.handle, bench) for op in ops}
+        self.plans = {op: g.plan for op, g in self.graphs.items()}
         self.relu_fusion = relu_fusion
         self.frozen = False
         self._workspace = None
         self._workspace_size = 0
-        self._reserve(max(g.workspace_size for g in self.graphs.values()))
+        ws = self._reserve(max(g.workspace_size for g in self.graphs.values()))
+        self._executions = {op: Execution(g, self.handle, ws) for op, g in self.graphs.items()}
 
     def _reserve(self, size: int) -> int:
         if self._workspace is None or size > self._workspace_size:
@@ -226,19 +326,75 @@ class Convolutions:
             self._workspace_size = size
         return _pointer(self._workspace)
 
-    def _run(self, op: str, pointers: dict) -> None:
-        g = self.graphs[op]
-        g.run(self.handle, pointers, self._reserve(g.workspace_size))
+    def _run(self, op: str, **arrays) -> None:
+        e = self._executions[op]
+        for role, a in arrays.items():
+            e.set(role, device_pointer(a))
+        e.run()
 
     def forward(self, x, w, b, y, relu: bool = False) -> None:
-        op = "forward_relu" if relu else "forward"
-        self._run(op, {"x": _pointer(x), "w": _pointer(w), "b": _pointer(b), "y": _pointer(y)})
+        self._run("forward_relu" if relu else "forward", x=x, w=w, b=b, y=y)
+
+    def forward_keep_relu(self, x, w, b, z, y) -> None:
+        self._run("forward_keep_relu", x=x, w=w, b=b, z=z, y=y)
 
     def backward_data(self, d_z, w, d_x) -> None:
-        self._run("backward_data", {"dy": _pointer(d_z), "w": _pointer(w), "dx": _pointer(d_x)})
+        self._run("backward_data", dy=d_z, w=w, dx=d_x)
 
     def backward_filter(self, x, d_z, d_w) -> None:
-        self._run("backward_filter", {"x": _pointer(x), "dy": _pointer(d_z), "dw": _pointer(d_w)})
+        self._run("backward_filter", x=x, dy=d_z, dw=d_w)
+
+
+class _Bench:
+    """Times one plan of a graph for `_autotune`: random device buffers for its tensors,
+    CUDA events on the layer's stream, the median of three rounds."""
+
+    def __init__(self, cuda, spec: LayerSpec, stream_ptr: int, handle: Any) -> None:
+        self.cuda, self.spec, self.handle = cuda, spec, handle
+        self.stream = cuda.external_stream(stream_ptr) if stream_ptr else cuda.default_stream()
+        self._buffers: dict = {}
+
+    def _buffer(self, role: str):
+        import numpy as np
+
+        s = self.spec
+        shape = {"x": s.input_shape, "dx": s.input_shape, "w": s.weight_shape, "dw": s.weight_shape,
+                 "b": (s.out_channels,)}.get(role, s.output_shape)
+        n = int(np.prod(shape))
+        found = self._buffers.get((role, n))
+        if found is None:
+            v = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+            if self.spec.dtype is DType.BFLOAT16:
+                v = (v.view(np.uint32) >> 16).astype(np.uint16)
+            elif self.spec.dtype is DType.FLOAT16:
+                v = v.astype(np.float16)
+            found = self._buffers[(role, n)] = self.cuda.to_device(v, stream=self.stream)
+        return found
+
+    def __call__(self, tensors: dict, workspace: int, run) -> float:
+        import statistics
+
+        import numpy as np
+
+        pack = {t: _pointer(self._buffer(role)) for role, t in tensors.items()}
+        ws = self.cuda.device_array(max(workspace, 1), np.uint8, stream=self.stream)
+        wsp = _pointer(ws)
+        run(pack, wsp, self.handle)
+        self.stream.synchronize()
+        t0 = time.perf_counter()
+        run(pack, wsp, self.handle)
+        self.stream.synchronize()
+        reps = max(1, min(20, int(2e-3 / max(time.perf_counter() - t0, 1e-6))))
+        rounds = []
+        for _ in range(3):
+            start, end = self.cuda.event(), self.cuda.event()
+            start.record(self.stream)
+            for _ in range(reps):
+                run(pack, wsp, self.handle)
+            end.record(self.stream)
+            end.synchronize()
+            rounds.append(self.cuda.event_elapsed_time(start, end) / reps)
+        return statistics.median(rounds)
 
 
 def _pointer(a: Any) -> int:

@@ -8,7 +8,10 @@ float32, float16, or uint16 holding bfloat16 bits; all arithmetic is float32.
 Reductions are two-phase with a fixed order, so results are bitwise identical run to
 run: phase one gives each block a fixed slice of rows and sums it in a fixed order into
 one partial per (block, group); phase two has one warp per group add those partials in
-a fixed order and a fixed tree. The partition depends only on the shape.
+a fixed order and a fixed tree. The partition depends only on the shape. The per-value
+passes are "row kernels" (`rows`): one skeleton that gives each thread a fixed channel,
+so per-channel parameters stay in registers, and either sums (statistics, the norm's
+gradient terms), writes y, or writes d_z while summing it for the bias gradient.
 
 `kernel_set(storage, activation, norm)` compiles (once) the kernels for one layer kind;
 the storage format, activation and norm are compile-time constants of its closures.
@@ -30,18 +33,23 @@ from conv2d.spec import Normalization
 cuda = numba_cuda()
 f32 = np.float32
 
-# Launch shapes. Column reductions: blocks of COL_X channels x COL_Y row lanes.
+# Launch shapes. Row kernels: blocks of ROW_THREADS threads, each block a fixed slice of
+# rows; at most ROW_MAX_BLOCKS blocks (8 of 256 threads per SM fill the 132 SMs of an
+# H100/H200), at least ROW_MIN_VALUES values per thread.
 ELEMENTWISE_THREADS = 256
-ELEMENTWISE_MAX_BLOCKS = 132 * 16  # 16 blocks of 256 per SM of an H200 keep it full
-COL_X, COL_Y = 32, 8
-COL_MAX_PARTIALS = 128
+ELEMENTWISE_MAX_BLOCKS = 132 * 16
+ROW_THREADS = 256
+ROW_MAX_BLOCKS = 132 * 8
+ROW_MIN_VALUES = 16
 SEG_THREADS = 256
 SEG_MAX_PARTIALS = 64
 WARP = 32
 
-# Norm modes and what a column reduction sums (compile-time constants).
+# Norm modes, and what a row kernel does per value (compile-time constants): sum the
+# shifted statistics, sum the norm's gradient terms, write d_z and sum it (the bias
+# gradient), or write y = act(norm(z)).
 NORM_NONE, NORM_BATCH, NORM_LAYER = 0, 1, 2
-SUM_STATS, SUM_GRADS, SUM_PLAIN = 0, 1, 2
+SUM_STATS, SUM_GRADS, WRITE_DZ, WRITE_Y = 0, 1, 2, 3
 NORM_MODE = {Normalization.NONE: NORM_NONE, Normalization.BATCH_NORM: NORM_BATCH,
              Normalization.LAYER_NORM: NORM_LAYER}
 
@@ -87,7 +95,8 @@ else:
 
 
 def _io(storage: str):
-    """(load, store) device functions for a storage format: float32 values in and out."""
+    """(load, store, stored) device functions for a storage format: float32 values in and
+    out; `stored(a, i, v)` stores v and returns the value as stored, back in float32."""
     if storage == "bfloat16":
         @cuda.jit(device=True, inline=True)
         def load(a, i):
@@ -96,6 +105,12 @@ def _io(storage: str):
         @cuda.jit(device=True, inline=True)
         def store(a, i, v):
             a[i] = f32_to_bf16(v)
+
+        @cuda.jit(device=True, inline=True)
+        def stored(a, i, v):
+            bits = f32_to_bf16(v)
+            a[i] = bits
+            return bf16_to_f32(bits)
     elif storage == "float16":
         @cuda.jit(device=True, inline=True)
         def load(a, i):
@@ -104,6 +119,12 @@ def _io(storage: str):
         @cuda.jit(device=True, inline=True)
         def store(a, i, v):
             a[i] = np.float16(v)
+
+        @cuda.jit(device=True, inline=True)
+        def stored(a, i, v):
+            h = np.float16(v)
+            a[i] = h
+            return f32(h)
     else:
         @cuda.jit(device=True, inline=True)
         def load(a, i):
@@ -112,7 +133,12 @@ def _io(storage: str):
         @cuda.jit(device=True, inline=True)
         def store(a, i, v):
             a[i] = f32(v)
-    return load, store
+
+        @cuda.jit(device=True, inline=True)
+        def stored(a, i, v):
+            a[i] = f32(v)
+            return f32(v)
+    return load, store, stored
 
 
 # The activation table (conv2d/activations.py), one scalar at a time in float32.
@@ -170,28 +196,30 @@ def _activation(act: Activation):
 class KernelSet:
     """The compiled kernels of one (storage, activation, norm) layer kind."""
 
-    forward_apply: object
-    column_partials: dict  # SUM_* -> kernel
+    rows: dict  # SUM_STATS, SUM_GRADS, WRITE_DZ, WRITE_Y -> row kernel
     segment_partials: dict  # SUM_STATS, SUM_GRADS -> kernel
     partials_final: object  # phase two: the totals
     stats_final: object  # phase two of the statistics: mean, inv_std, running update
     final_accumulate_f32: object  # phase two, totals added into two float32 gradients
     final_accumulate_stored: object  # phase two, the total added into a storage-format gradient
     running_stats: object
-    backward_dz: object
     accumulate_stored: object  # grad += new, elementwise, both in the storage format
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_set(storage: str, activation: Activation, normalization: Normalization) -> KernelSet:
-    load, store = _io(storage)
+    load, store, stored = _io(storage)
     act_f, act_d = _activation(activation)
     mode = NORM_MODE[normalization]
 
     @cuda.jit(device=True, inline=True)
-    def group(i, C, S):
-        # The statistic an element (flat index i) is normalised with.
-        return i % C if mode == NORM_BATCH else i // S
+    def row_group(r, c, C, S):
+        # The statistic the values of row r, channel c are normalised with.
+        if mode == NORM_BATCH:
+            return c
+        if mode == NORM_LAYER:
+            return (r * C) // S
+        return 0
 
     @cuda.jit(device=True, inline=True)
     def act_input(z, i, c, g, mean, inv_std, gamma, beta):
@@ -202,61 +230,107 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         x_hat = (zi - mean[g]) * inv_std[g]
         return gamma[c] * x_hat + beta[c], x_hat
 
-    @cuda.jit
-    def forward_apply(z, y, mean, inv_std, gamma, beta, total, C, S):
-        """y = act(norm(z)), elementwise over total = M*C values."""
-        start = cuda.grid(1)
-        step = cuda.gridsize(1)
-        for i in range(start, total, step):
-            c = i % C
-            a, _ = act_input(z, i, c, group(i, C, S), mean, inv_std, gamma, beta)
-            store(y, i, act_f(a))
-
     @cuda.jit(device=True, inline=True)
-    def column_terms(kind, z, d_y, i, c, g, mean, inv_std, gamma, beta):
-        # The two values per element a column reduction sums. Statistics are summed
-        # shifted by the channel's first value, which keeps the variance from cancelling
-        # when the mean is large against the spread.
+    def row_terms(kind, z, d_y, out, r, c, C, S, mean, inv_std, gamma, beta, sums, batch_stats, count):
+        # What a row kernel does with the value at row r, channel c; returns the two
+        # values it sums. Statistics are summed shifted by the channel's first value,
+        # which keeps the variance from cancelling when the mean is large against the
+        # spread. WRITE_DZ sums d_z as stored (the bias gradient of the stored d_z).
+        i = r * C + c
+        g = row_group(r, c, C, S)
         if kind == SUM_STATS:
             v = load(z, i) - load(z, c)
             return v, v * v
+        a, x_hat = act_input(z, i, c, g, mean, inv_std, gamma, beta)
+        if kind == WRITE_Y:
+            store(out, i, act_f(a))
+            return ZERO, ZERO
+        d_a = load(d_y, i) * act_d(a)
         if kind == SUM_GRADS:
-            a, x_hat = act_input(z, i, c, g, mean, inv_std, gamma, beta)
-            d_a = load(d_y, i) * act_d(a)
             return d_a, d_a * x_hat
-        return load(z, i), ZERO
+        G = mean.size
+        if mode == NORM_NONE:
+            v = d_a
+        elif not batch_stats:
+            v = d_a * gamma[c] * inv_std[g]
+        elif mode == NORM_BATCH:
+            v = gamma[c] * inv_std[g] * (d_a - sums[g] / count - x_hat * (sums[G + g] / count))
+        else:
+            v = inv_std[g] * (d_a * gamma[c] - sums[g] / count - x_hat * (sums[G + g] / count))
+        return stored(out, i, v), ZERO
 
-    def make_column_partials(kind):
+    @cuda.jit(device=True, inline=True)
+    def row_run(kind, z, d_y, out, c, r, end, step, C, S, mean, inv_std, gamma, beta, sums, batch_stats, count):
+        # Rows r, r + step, ... < end of channel c, summed in that order; four rows per
+        # turn so that four loads are in flight (the additions keep the sequential order).
+        a0, a1 = ZERO, ZERO
+        while r + 3 * step < end:
+            u0, u1 = row_terms(kind, z, d_y, out, r, c, C, S, mean, inv_std, gamma, beta, sums, batch_stats, count)
+            v0, v1 = row_terms(kind, z, d_y, out, r + step, c, C, S, mean, inv_std, gamma, beta, sums,
+                               batch_stats, count)
+            w0, w1 = row_terms(kind, z, d_y, out, r + 2 * step, c, C, S, mean, inv_std, gamma, beta, sums,
+                               batch_stats, count)
+            x0, x1 = row_terms(kind, z, d_y, out, r + 3 * step, c, C, S, mean, inv_std, gamma, beta, sums,
+                               batch_stats, count)
+            a0 += u0
+            a0 += v0
+            a0 += w0
+            a0 += x0
+            a1 += u1
+            a1 += v1
+            a1 += w1
+            a1 += x1
+            r += 4 * step
+        while r < end:
+            u0, u1 = row_terms(kind, z, d_y, out, r, c, C, S, mean, inv_std, gamma, beta, sums, batch_stats, count)
+            a0 += u0
+            a1 += u1
+            r += step
+        return a0, a1
+
+    def make_rows(kind):
         @cuda.jit
-        def column_partials(z, d_y, mean, inv_std, gamma, beta, M, C, S, out0, out1):
-            """Per-channel partial sums over a fixed set of rows: grid (ceil(C/COL_X), P),
-            block (COL_X, COL_Y); out0/out1 are (P, C)."""
-            s0 = cuda.shared.array((COL_Y, COL_X), dtype=np.float32)
-            s1 = cuda.shared.array((COL_Y, COL_X), dtype=np.float32)
-            tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-            c = cuda.blockIdx.x * COL_X + tx
-            p = cuda.blockIdx.y
-            lanes = cuda.gridDim.y * COL_Y
-            a0, a1 = ZERO, ZERO
-            if c < C:
-                for r in range(p * COL_Y + ty, M, lanes):
-                    i = r * C + c
-                    v0, v1 = column_terms(kind, z, d_y, i, c, group(i, C, S), mean, inv_std, gamma, beta)
-                    a0 += v0
-                    a1 += v1
-            s0[ty, tx] = a0
-            s1[ty, tx] = a1
-            cuda.syncthreads()
-            if ty == 0 and c < C:
-                t0, t1 = ZERO, ZERO
-                for k in range(COL_Y):
-                    t0 += s0[k, tx]
-                    t1 += s1[k, tx]
-                out0[p * C + c] = t0
-                out1[p * C + c] = t1
-        return column_partials
+        def rows(z, d_y, out, mean, inv_std, gamma, beta, sums, batch_stats, count, M, C, S, out0, out1):
+            """One pass over the (M, C) values: grid P blocks of ROW_THREADS, block p takes
+            the rows [p*ceil(M/P), (p+1)*ceil(M/P)). With C < ROW_THREADS a thread keeps one
+            channel (t % C) and takes every R-th row (R = ROW_THREADS // C), so a block
+            reads consecutive values; otherwise a thread takes channels t, t+ROW_THREADS, ...
+            Sums land in out0/out1 (P, C), one per block and channel, in a fixed order."""
+            s0 = cuda.shared.array(ROW_THREADS, dtype=np.float32)
+            s1 = cuda.shared.array(ROW_THREADS, dtype=np.float32)
+            t = cuda.threadIdx.x
+            p = cuda.blockIdx.x
+            per = -(-M // cuda.gridDim.x)
+            start = p * per
+            end = min(M, start + per)
+            if C < ROW_THREADS:
+                R = ROW_THREADS // C
+                c = t % C
+                a0, a1 = ZERO, ZERO
+                if t < R * C:
+                    a0, a1 = row_run(kind, z, d_y, out, c, start + t // C, end, R, C, S, mean, inv_std, gamma,
+                                     beta, sums, batch_stats, count)
+                if kind != WRITE_Y:
+                    s0[t] = a0
+                    s1[t] = a1
+                    cuda.syncthreads()
+                    if t < C:
+                        t0, t1 = ZERO, ZERO
+                        for j in range(R):
+                            t0 += s0[j * C + t]
+                            t1 += s1[j * C + t]
+                        out0[p * C + t] = t0
+                        out1[p * C + t] = t1
+            else:
+                for c in range(t, C, ROW_THREADS):
+                    a0, a1 = row_run(kind, z, d_y, out, c, start, end, 1, C, S, mean, inv_std, gamma, beta,
+                                     sums, batch_stats, count)
+                    if kind != WRITE_Y:
+                        out0[p * C + c] = a0
+                        out1[p * C + c] = a1
+        return rows
 
-    column_partials = {k: make_column_partials(k) for k in (SUM_STATS, SUM_GRADS, SUM_PLAIN)}
+    rows = {k: make_rows(k) for k in (SUM_STATS, SUM_GRADS, WRITE_DZ, WRITE_Y)}
 
     @cuda.jit(device=True, inline=True)
     def warp_sum(partials, P, G, g, sh, lane):
@@ -274,6 +348,14 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
             width //= 2
         return sh[0]
 
+    @cuda.jit(device=True, inline=True)
+    def warp_sums(p0, p1, P, G, g, sh, lane):
+        # The totals of both partial arrays for group g (phase two of every reduction).
+        t0 = warp_sum(p0, P, G, g, sh, lane)
+        cuda.syncthreads()
+        t1 = warp_sum(p1, P, G, g, sh, lane)
+        return t0, t1
+
     @cuda.jit
     def partials_final(p0, p1, P, G, sums):
         """Phase two of both reductions: grid G blocks of one warp; partials are (P, G);
@@ -281,17 +363,15 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         sh = cuda.shared.array(WARP, dtype=np.float32)
         g = cuda.blockIdx.x
         lane = cuda.threadIdx.x
-        t0 = warp_sum(p0, P, G, g, sh, lane)
-        cuda.syncthreads()
-        t1 = warp_sum(p1, P, G, g, sh, lane)
+        t0, t1 = warp_sums(p0, p1, P, G, g, sh, lane)
         if lane == 0:
             sums[g] = t0
             sums[G + g] = t1
 
     @cuda.jit(device=True, inline=True)
     def segment_terms(kind, z, d_y, i, c, g, S, mean, inv_std, gamma, beta):
-        # As column_terms, per sample: statistics shifted by the sample's first value;
-        # gradients are g = d_a * gamma and g * x_hat.
+        # Per sample: statistics shifted by the sample's first value; gradients are
+        # g = d_a * gamma and g * x_hat.
         if kind == SUM_STATS:
             v = load(z, i) - load(z, g * S)
             return v, v * v
@@ -342,9 +422,7 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         sh = cuda.shared.array(WARP, dtype=np.float32)
         g = cuda.blockIdx.x
         lane = cuda.threadIdx.x
-        t0 = warp_sum(p0, P, G, g, sh, lane)
-        cuda.syncthreads()
-        t1 = warp_sum(p1, P, G, g, sh, lane)
+        t0, t1 = warp_sums(p0, p1, P, G, g, sh, lane)
         if lane == 0:
             shift = load(z, g) if mode == NORM_BATCH else load(z, g * S)
             m1 = t0 / count
@@ -362,9 +440,7 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         sh = cuda.shared.array(WARP, dtype=np.float32)
         g = cuda.blockIdx.x
         lane = cuda.threadIdx.x
-        t0 = warp_sum(p0, P, G, g, sh, lane)
-        cuda.syncthreads()
-        t1 = warp_sum(p1, P, G, g, sh, lane)
+        t0, t1 = warp_sums(p0, p1, P, G, g, sh, lane)
         if lane == 0:
             sums[g] = t0
             sums[G + g] = t1
@@ -382,29 +458,6 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
             store(grad, g, load(grad, g) + t0)
 
     @cuda.jit
-    def backward_dz(z, d_y, d_z, mean, inv_std, gamma, beta, sums, batch_stats, total, C, S, count):
-        """d_z from d_y through the activation and the norm, elementwise; `sums` holds the
-        per-group totals of the norm's backward (batch norm: sum d_a, sum d_a*x_hat per
-        channel; layer norm: sum g, sum g*x_hat per sample with g = d_a * gamma)."""
-        start = cuda.grid(1)
-        step = cuda.gridsize(1)
-        G = mean.size
-        for i in range(start, total, step):
-            c = i % C
-            g = group(i, C, S)
-            a, x_hat = act_input(z, i, c, g, mean, inv_std, gamma, beta)
-            d_a = load(d_y, i) * act_d(a)
-            if mode == NORM_NONE:
-                v = d_a
-            elif not batch_stats:
-                v = d_a * gamma[c] * inv_std[g]
-            elif mode == NORM_BATCH:
-                v = gamma[c] * inv_std[g] * (d_a - sums[g] / count - x_hat * (sums[G + g] / count))
-            else:
-                v = inv_std[g] * (d_a * gamma[c] - sums[g] / count - x_hat * (sums[G + g] / count))
-            store(d_z, i, v)
-
-    @cuda.jit
     def running_stats(running_mean, running_var, epsilon, mean, inv_std):
         """Batch norm outside training: mean = running_mean, inv_std = 1/sqrt(running_var + eps)."""
         c = cuda.grid(1)
@@ -418,9 +471,8 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         for i in range(cuda.grid(1), total, cuda.gridsize(1)):
             store(grad, i, load(grad, i) + load(new, i))
 
-    return KernelSet(forward_apply, column_partials, segment_partials, partials_final, stats_final,
-                     final_accumulate_f32, final_accumulate_stored, running_stats, backward_dz,
-                     accumulate_stored)
+    return KernelSet(rows, segment_partials, partials_final, stats_final, final_accumulate_f32,
+                     final_accumulate_stored, running_stats, accumulate_stored)
 
 
 def small_grid(total: int) -> tuple[int, int]:
@@ -432,9 +484,10 @@ def elementwise_grid(total: int) -> tuple[int, int]:
     return (max(1, min(ELEMENTWISE_MAX_BLOCKS, -(-total // ELEMENTWISE_THREADS))), ELEMENTWISE_THREADS)
 
 
-def column_partition(M: int) -> int:
-    """Blocks along the rows of a column reduction: ~64 rows per lane, at most 128."""
-    return max(1, min(COL_MAX_PARTIALS, -(-M // (COL_Y * 64))))
+def row_partition(M: int, C: int) -> int:
+    """Blocks of a row kernel over (M, C) values: enough to fill the GPU, each thread with
+    at least ROW_MIN_VALUES values, no block without a row. Depends on the shape alone."""
+    return max(1, min(ROW_MAX_BLOCKS, M, -(-M * C // (ROW_THREADS * ROW_MIN_VALUES))))
 
 
 def segment_partition(S: int) -> int:

@@ -1,0 +1,126 @@
+"""numba kernel launches prepared once and replayed with one driver call.
+
+A launch through numba's dispatcher costs 25-50 us of host time (it types every
+argument, picks the overload and packs the arguments anew); a layer launches the same
+kernels on the same buffers every step. `Launch` does that work once: it compiles the
+kernel for its arguments, lets numba pack them (`_Kernel._prepare_args`, so the layout
+is numba's own), keeps the packed values in ctypes slots, and launches with
+`cuLaunchKernel` on those slots. An argument that changes between calls (the caller's
+input, a fresh output) is swapped with `set`, which rewrites one slot.
+
+In numba's CUDA simulator there is no driver: a `Launch` calls the dispatcher with its
+current arguments, so the orchestration above it runs unchanged in CI.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Sequence
+
+import numpy as np
+
+from conv2d.cuda.runtime import simulating
+
+
+def device_pointer(a: Any) -> int:
+    """The device address of a numba device array."""
+    return int(a.device_ctypes_pointer.value or 0)
+
+
+class LaunchError(RuntimeError):
+    """A prepared launch the driver refused: names the kernel and the driver's error."""
+
+
+class Launch:
+    """One kernel with its grid, block, stream and arguments, ready to launch.
+
+    `args` are what the dispatcher would be called with: numba device arrays and scalars
+    (numpy scalar types or bool). `set(i, value)` replaces argument i by a device array
+    of the same shape and dtype, or a scalar of the same type.
+    """
+
+    def __init__(self, kernel: Any, grid: int | tuple, block: int | tuple, stream: Any,
+                 args: Sequence[Any]) -> None:
+        self.kernel = kernel
+        self.grid = _dim3(grid)
+        self.block = _dim3(block)
+        self.stream = stream
+        self.args = list(args)
+        self._raw = None
+        if not simulating():
+            self._prepare()
+
+    def _prepare(self) -> None:
+        from cuda.bindings import driver
+
+        from conv2d.cuda.runtime import stream_handle
+
+        kernel = self.kernel
+        argtypes = tuple(kernel.typeof_pyval(a) for a in self.args)
+        compiled = kernel.compile(argtypes)
+        compiled.bind()
+        packed, starts, retr = [], [], []
+        for ty, value in zip(compiled.argument_types, self.args):
+            starts.append(len(packed))
+            compiled._prepare_args(ty, value, self.stream, retr, packed)
+        slots = []
+        for v in packed:
+            if isinstance(v, (bool, np.bool_)):
+                slots.append(ctypes.c_bool(bool(v)))
+            elif isinstance(v, int):
+                slots.append(ctypes.c_int64(v))  # numba passes array fields as intptr_t
+            elif isinstance(v, ctypes._SimpleCData):
+                slots.append(v)
+            else:
+                return  # a type this packing does not know: keep the dispatcher
+        # Where each argument's value lives: an array's data pointer is the fifth of its
+        # fields (meminfo, parent, nitems, itemsize, data, shape..., strides...); checked
+        # against the array itself, and the dispatcher kept if numba's layout differs.
+        self._slot = []
+        for i, a in enumerate(self.args):
+            if hasattr(a, "device_ctypes_pointer"):
+                k = starts[i] + 4
+                if slots[k].value != device_pointer(a):
+                    return
+            else:
+                k = starts[i]
+            self._slot.append(k)
+        self._slots = slots
+        self._params = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(s) for s in slots])
+        self._driver = driver
+        self._function = driver.CUfunction(int(compiled._codelibrary.get_cufunc().handle))
+        self._cu_stream = driver.CUstream(stream_handle(self.stream))
+        self._raw = (self._function, *self.grid, *self.block, 0, self._cu_stream, ctypes.addressof(self._params), 0)
+        self._name = getattr(kernel, "__name__", "kernel")
+
+    @property
+    def prepared(self) -> bool:
+        """Whether calls go straight to the driver (False: through numba's dispatcher)."""
+        return self._raw is not None
+
+    def set(self, i: int, value: Any) -> None:
+        """Replace argument i: a device array of the same size and dtype (any shape: the
+        kernel sees it as it saw the array it was prepared with), or a scalar of the same
+        type."""
+        if self._raw is None:
+            prepared = self.args[i]
+            if getattr(value, "ndim", 0) != getattr(prepared, "ndim", 0):
+                value = value.reshape(prepared.shape)
+            self.args[i] = value
+        else:
+            slot = self._slots[self._slot[i]]
+            slot.value = device_pointer(value) if hasattr(value, "device_ctypes_pointer") else value
+
+    def __call__(self) -> None:
+        if self._raw is None:
+            self.kernel[self.grid, self.block, self.stream](*self.args)
+            return
+        err, = self._driver.cuLaunchKernel(*self._raw)
+        if err != self._driver.CUresult.CUDA_SUCCESS:
+            _, name = self._driver.cuGetErrorName(err)
+            raise LaunchError(f"launch of {self._name}: {name.decode() if isinstance(name, bytes) else name}")
+
+
+def _dim3(d: int | tuple) -> tuple[int, int, int]:
+    d = (d,) if isinstance(d, int) else tuple(d)
+    return tuple(int(v) for v in d) + (1,) * (3 - len(d))
