@@ -6,9 +6,12 @@ as a CUDA graph on both sides, plus a batch sweep of rl_small.
                                  [--sweep 1,2,4,...] [--out DIR]
 
 PyTorch runs nn.Conv2d (+ nn.BatchNorm2d) + nn.ReLU in channels_last with
-cudnn.deterministic = True and TF32 off, as ours. GPU time: CUDA events around `iters`
-steps on each side's stream; wall time: perf_counter around the same steps and a final
-synchronize; each the median of 5 such blocks after a warm-up, per step. The roofline
+cudnn.deterministic = True and TF32 off, as ours. Each side runs with cuDNN's heuristic
+plan choice (ours by default, PyTorch's cudnn.benchmark = False), and, as CUDA graphs,
+once more with plans autotuned among the deterministic ones (ours `autotune=True`,
+PyTorch's cudnn.benchmark = True). GPU time: CUDA events around `iters` steps on each
+side's stream; wall time: perf_counter around the same steps and a final synchronize;
+each the median of 5 such blocks after a warm-up, per step. The roofline
 time of a step is the larger of its FLOPs (three convolutions) at the GPU's peak (790
 TFLOP/s bf16/f16 measured on this H200; 67 TFLOP/s fp32, NVIDIA's figure for non-tensor
 fp32) and its unavoidable bytes at 4.3 TB/s: x read twice and d_x written, y and the
@@ -57,11 +60,11 @@ def timed(run, event, elapsed_ms, sync, iters: int, blocks: int = 5) -> tuple[fl
     return statistics.median(gpu), statistics.median(wall)
 
 
-def ours(spec, x_host, dy_host, iters: int, eager: bool = True) -> dict:
+def ours(spec, x_host, dy_host, iters: int, eager: bool = True, autotune: bool = False) -> dict:
     from conv2d import Conv2d
     from conv2d.cuda.runtime import to_device_bits
 
-    layer = Conv2d(spec, "cuda")
+    layer = Conv2d(spec, "cuda", autotune=autotune)
     layer.init_weights(np.random.default_rng(0))
     impl = layer._impl
     cuda, stream = impl.cuda, impl.stream
@@ -84,9 +87,10 @@ def ours(spec, x_host, dy_host, iters: int, eager: bool = True) -> dict:
     return out
 
 
-def pytorch(spec, x_host, dy_host, iters: int, eager: bool = True) -> dict:
+def pytorch(spec, x_host, dy_host, iters: int, eager: bool = True, benchmark: bool = False) -> dict:
     import torch
 
+    torch.backends.cudnn.benchmark = benchmark
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype.value]
     layers = [torch.nn.Conv2d(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding)]
     if spec.normalization.value == "batch_norm":
@@ -141,12 +145,17 @@ def main() -> None:
     lines = [f"# conv2d CUDA backend vs PyTorch {torch.__version__} on {torch.cuda.get_device_name()}: "
              f"training step (forward + backward_full), median ms per step", "",
              "| shape | norm | dtype | ours eager wall | torch eager wall | ratio | ours eager GPU | torch eager GPU "
-             "| ratio | ours graph GPU | torch graph GPU | ratio | roofline | ours graph % of roofline |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| ratio | ours graph GPU | torch graph GPU | ratio | ours tuned graph GPU | torch tuned graph GPU | ratio "
+             "| roofline | ours best graph % of roofline |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| ---: | ---: |"]
     print("\n".join(lines), flush=True)
     for name, bn, spec, x, dy in cases(args.shapes, args.dtypes):
         o, t = ours(spec, x, dy, args.iters), pytorch(spec, x, dy, args.iters)
+        o["tuned_graph"] = ours(spec, x, dy, args.iters, eager=False, autotune=True)["graph"]
+        t["tuned_graph"] = pytorch(spec, x, dy, args.iters, eager=False, benchmark=True)["graph"]
         roof = roofline_ms(spec)
+        best = min(o["graph"][0], o["tuned_graph"][0])
         row = {"shape": name, "batch_norm": bn, "dtype": spec.dtype.value, "roofline_ms": roof,
                **{f"ours_{k}_{w}_ms": v[i] for k, v in o.items() for i, w in enumerate(("gpu", "wall"))},
                **{f"torch_{k}_{w}_ms": v[i] for k, v in t.items() for i, w in enumerate(("gpu", "wall"))}}
@@ -155,7 +164,8 @@ def main() -> None:
                 f"| {o['eager'][1]:.3f} | {t['eager'][1]:.3f} | {o['eager'][1] / t['eager'][1]:.2f} "
                 f"| {o['eager'][0]:.3f} | {t['eager'][0]:.3f} | {o['eager'][0] / t['eager'][0]:.2f} "
                 f"| {o['graph'][0]:.3f} | {t['graph'][0]:.3f} | {o['graph'][0] / t['graph'][0]:.2f} "
-                f"| {roof:.4f} | {100 * roof / o['graph'][0]:.1f} |")
+                f"| {o['tuned_graph'][0]:.3f} | {t['tuned_graph'][0]:.3f} "
+                f"| {o['tuned_graph'][0] / t['tuned_graph'][0]:.2f} | {roof:.4f} | {100 * roof / best:.1f} |")
         lines.append(line)
         print(line, flush=True)
     sweep = []

@@ -333,3 +333,50 @@ def test_capture_refuses_host_arrays_and_the_reference_backend():
         make_layer(spec, backend="cuda").capture(x, dy)
     with pytest.raises(TypeError, match="capture: the 'reference' backend has no CUDA graphs"):
         make_layer(spec).capture(x, dy)
+
+
+def test_eager_launches_go_straight_to_the_driver():
+    spec = spec_for("gelu", "batch_norm")
+    layer = make_layer(spec, backend="cuda")
+    x, dy = random_inputs(spec)
+    step(layer, x, dy)
+    launches = layer._impl._launches
+    assert launches and all(launch.prepared for launch in launches.values()), \
+        [k for k, launch in launches.items() if not launch.prepared]
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_eager_outputs_are_fresh_arrays_each_call(norm):
+    from conv2d.cuda.launch import device_pointer
+
+    spec = spec_for("relu", norm)
+    layer = make_layer(spec, backend="cuda")
+    x, dy = random_inputs(spec)
+    y1 = layer.forward(x)
+    first = as_numpy(y1).copy()
+    dx1 = layer.backward_full(x, dy)
+    first_dx = as_numpy(dx1).copy()
+    y2 = layer.forward((2 * x).astype(x.dtype))
+    dx2 = layer.backward_full(x, (3 * dy).astype(dy.dtype))
+    assert device_pointer(y1) != device_pointer(y2) and device_pointer(dx1) != device_pointer(dx2)
+    np.testing.assert_array_equal(as_numpy(y1), first)
+    np.testing.assert_array_equal(as_numpy(dx1), first_dx)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_autotuned_plans_match_the_reference_and_repeat_bitwise(dtype):
+    spec = spec_for("relu", "batch_norm", dtype, batch_size=16, in_height=20, in_width=20, in_channels=8,
+                    out_channels=16)
+    x, dy = random_inputs(spec)
+    a, b = make_layer(spec, backend="cuda", autotune=True), make_layer(spec, backend="cuda", autotune=True)
+    plans = a._impl.conv_plans
+    assert {"forward", "backward_data", "backward_filter"} <= set(plans) and "?" not in plans.values(), plans
+    ra, rb = step(a, x, dy), step(b, x, dy)
+    np.testing.assert_array_equal(rb[0].view(np.uint8), ra[0].view(np.uint8))
+    np.testing.assert_array_equal(rb[1].view(np.uint8), ra[1].view(np.uint8))
+    ref = Conv2d(dataclasses.replace(spec, dtype="float64"))
+    ref.load_state_dict({k: v.astype(np.float64) for k, v in make_layer(spec).state_dict().items()})
+    lengths = reduction_lengths(spec)
+    assert_close("y", ra[0], ref.forward(x.astype(np.float64)), dtype, lengths["y"])
+    assert_close("d_x", ra[1], ref.backward_full(x.astype(np.float64), dy.astype(np.float64)), dtype,
+                 lengths["d_x"], jump=True)

@@ -99,3 +99,9 @@ def test_cuda_backend_without_a_gpu_says_what_is_missing():
     spec = LayerSpec(batch_size=1, in_height=4, in_width=4, in_channels=1, out_channels=1, kernel=3)
     with pytest.raises(CudaUnavailableError, match="needs a real GPU"):
         Conv2d(spec, backend="cuda")
+
+
+def test_autotune_must_be_a_bool():
+    spec = LayerSpec(batch_size=1, in_height=4, in_width=4, in_channels=1, out_channels=1, kernel=3)
+    with pytest.raises(TypeError, match="autotune: expected a bool, got 'yes'"):
+        Conv2d(spec, backend="cuda", autotune="yes")

@@ -107,6 +107,7 @@ class Execution:
         self._ptrs = [0] * len(roles)
         self._index = {r: i for i, r in enumerate(roles)}
         self._native = None
+        self._proven = False
         try:
             from cudnn._handle import to_backend_handle
 
@@ -136,11 +137,24 @@ class Execution:
             with g.lock:
                 if self._native is not None:
                     fn, *args = self._native
-                    fn(*args)
-                else:
-                    g.graph.execute(self._ptrs, self._workspace, handle=self._handle, tensor_uids=self._uids)
+                    try:
+                        fn(*args)
+                        self._proven = True
+                        return
+                    except Exception:
+                        if self._proven:
+                            raise
+                        # The native entry point refused this graph on its first call
+                        # (seen with a graph of two outputs): the public form from now on.
+                        self._native = None
+                g.graph.execute(self._ptrs, self._workspace, handle=self._handle, tensor_uids=self._uids)
         except Exception as e:
             raise CudnnError(f"cuDNN {g.op} for {g.spec}: {e}") from e
+
+    @property
+    def native(self) -> bool:
+        """Whether runs go through the frontend's native pointer-array entry point."""
+        return self._native is not None
 
 
 def _dims(spec: LayerSpec) -> dict[str, tuple[list[int], list[int]]]:
