@@ -156,53 +156,58 @@ class CudaBackend:
         return CapturedGraph(self, lambda: self.evaluate(x), {"x": x}, {"y": self._outputs["y"]})
 
     # Launches ------------------------------------------------------------------------------
-    def _launch(self, key: Any, kernel: Any, grid: Any, block: Any, *args: Any) -> Launch:
-        """The prepared launch named `key`, made from these arguments the first time."""
+    def _launch(self, key: Any, make: Any) -> Launch:
+        """The prepared launch named `key`; `make()` gives (kernel, grid, block, args) the
+        first time (the arguments as the kernel is prepared with; see `Launch.set`)."""
         found = self._launches.get(key)
         if found is None:
+            kernel, grid, block, args = make()
             found = self._launches[key] = Launch(kernel, grid, block, self.stream, args)
         return found
 
-    def _rows(self, key: Any, kind: int, z, d_y, out, stats, sums=None, batch_stats: bool = False,
-              count: float = 1.0) -> Launch:
-        """A row kernel (kernels.rows) over the (M, C) values; partials go to self._col."""
-        d = self._dummy
-        gamma, beta = self._gamma_beta()
-        return self._launch(key, self.k.rows[kind], self.P, K.ROW_THREADS, z, d_y, out, *stats, gamma, beta,
-                            d if sums is None else sums, batch_stats, np.float32(count), self.M, self.C, self.S,
-                            *self._col)
+    def _rows(self, key: Any, kind: int, z, d_y=None, out=None, stats=None, sums=None, batch_stats: bool = False,
+              count: float = 1.0, acc=(None, None), accumulate: bool = False) -> Launch:
+        """A row kernel (kernels.rows) over the (M, C) values, its partials in self._col
+        and phase two folded in (`acc`: the arrays it accumulates into)."""
+        def make():
+            d = self._dummy
+            gamma, beta = self._gamma_beta()
+            s = self.spec
+            counter = self.cuda.to_device(np.zeros(1, np.int32), stream=self.stream)
+            args = (z, d if d_y is None else d_y, d if out is None else out, *(stats or (d, d)), gamma, beta,
+                    d if sums is None else sums, batch_stats, np.float32(count), np.float32(s.bn_epsilon),
+                    np.float32(s.bn_momentum), self.M, self.C, self.S, *self._col, counter,
+                    *(d if a is None else a for a in acc), accumulate)
+            return self.k.rows[kind], self.P, K.ROW_THREADS, args
+        return self._launch(key, make)
 
     def _gamma_beta(self):
         if self.spec.normalization is Normalization.NONE:
             return self._dummy, self._dummy
         return self.params["gamma"], self.params["beta"]
 
-    def _final(self, key: Any, kernel: Any, groups: int, *args: Any) -> None:
-        self._launch(key, kernel, groups, K.WARP, *args)()
-
     # Forward -------------------------------------------------------------------------------
     def _statistics(self, z, stats, training: bool, keep: bool) -> bool:
         """Fill stats = (mean, inv_std) from z; returns whether they came from the batch."""
-        s, norm, d = self.spec, self.spec.normalization, self._dummy
+        s, norm, d, p = self.spec, self.spec.normalization, self._dummy, self.params
         if norm is Normalization.NONE:
             return False
         eps, mom = np.float32(s.bn_epsilon), np.float32(s.bn_momentum)
         if norm is Normalization.BATCH_NORM and not training:
-            self._launch(("running", keep), self.k.running_stats, *K.small_grid(self.C),
-                         self.params["running_mean"], self.params["running_var"], eps, *stats)()
+            self._launch(("running", keep), lambda: (self.k.running_stats, *K.small_grid(self.C),
+                                                     (p["running_mean"], p["running_var"], eps, *stats)))()
             return False
         if norm is Normalization.BATCH_NORM:
-            self._rows(("stats", keep), K.SUM_STATS, z, z, d, (d, d))()
-            self._final(("stats_final", keep), self.k.stats_final, self.C, *self._col, self.P, self.C, z, self.S,
-                        np.float32(self.M), eps, mom, *stats, self.params["running_mean"],
-                        self.params["running_var"], True)
+            self._rows(("stats", keep), K.SUM_STATS, z, stats=stats, count=self.M,
+                       acc=(p["running_mean"], p["running_var"]), accumulate=True)()
         else:
             n = s.batch_size
             gamma, beta = self._gamma_beta()
-            self._launch(("seg_stats", keep), self.k.segment_partials[K.SUM_STATS], (n, self.Q), K.SEG_THREADS,
-                         z, z, d, d, gamma, beta, self.C, self.S, *self._seg)()
-            self._final(("seg_stats_final", keep), self.k.stats_final, n, *self._seg, self.Q, n, z, self.S,
-                        np.float32(self.S), eps, mom, *stats, d, d, False)
+            self._launch(("seg_stats", keep), lambda: (self.k.segment_partials[K.SUM_STATS], (n, self.Q),
+                                                       K.SEG_THREADS, (z, z, d, d, gamma, beta, self.C, self.S,
+                                                                       *self._seg)))()
+            self._launch(("seg_stats_final", keep), lambda: (self.k.stats_final, n, K.WARP, (
+                *self._seg, self.Q, n, z, self.S, np.float32(self.S), eps, mom, *stats, d, d, False)))()
         return True
 
     def _run(self, x: Any, training: bool, keep: bool):
@@ -210,12 +215,8 @@ class CudaBackend:
         x = self._input("x", x, s.input_shape)
         y = self._output("y", s.output_shape)
         p = self.params
-        if self.relu_fusion:
-            if keep:
-                self.conv.forward_keep_relu(x, p["weights"], p["bias"], self._pre, y)
-                self._have_cache, self._batch_stats = True, False
-            else:
-                self.conv.forward(x, p["weights"], p["bias"], y, relu=True)
+        if not keep and self.relu_fusion:
+            self.conv.forward(x, p["weights"], p["bias"], y, relu=True)
             return y
         if keep:
             z, stats = self._pre, self._stats
@@ -227,7 +228,8 @@ class CudaBackend:
         from_batch = self._statistics(z, stats, training, keep)
         # Arguments that change per call are prepared with a layer buffer of the same
         # size and dtype standing in, then set.
-        apply = self._rows(("apply", keep), K.WRITE_Y, z, z, self._d_z, stats)
+        apply = self._rows(("apply", keep), K.WRITE_Y, z, out=self._d_z,
+                           stats=stats if s.normalization is not Normalization.NONE else None)
         apply.set(2, y)
         apply()
         if keep:
@@ -242,41 +244,38 @@ class CudaBackend:
 
     # Backward ------------------------------------------------------------------------------
     def backward(self, x: Any, d_y: Any, param_grads: bool, input_grad: bool):
-        s, norm = self.spec, self.spec.normalization
+        s, norm, g = self.spec, self.spec.normalization, self.grads
         if param_grads:
             x = self._input("x", x, s.input_shape)
         d_y = self._input("d_y", d_y, s.output_shape)
         if not self._have_cache:
             raise RuntimeError("backward: no forward pass to differentiate; call forward(x) first")
-        stats = self._stats if norm is not Normalization.NONE else (self._dummy, self._dummy)
+        stats = self._stats if norm is not Normalization.NONE else None
         sums, count = None, 1.0
         if norm is not Normalization.NONE:
             # Per channel: sum d_a and sum d_a * x_hat, the beta and gamma gradients, and
             # for batch norm with batch statistics also what its backward needs.
-            grads = self._rows("grads", K.SUM_GRADS, self._pre, self._d_z, self._dummy, stats)
+            grads = self._rows(("grads", param_grads), K.SUM_GRADS, self._pre, self._d_z, stats=stats,
+                               sums=self._sums_col, acc=(g["beta"], g["gamma"]), accumulate=param_grads)
             grads.set(1, d_y)
             grads()
-            C = self.C
-            if param_grads:
-                self._final("grads_final_acc", self.k.final_accumulate_f32, C, *self._col, self.P, C, self._sums_col,
-                            self.grads["beta"], self.grads["gamma"])
-            else:
-                self._final("grads_final", self.k.partials_final, C, *self._col, self.P, C, self._sums_col)
             if norm is Normalization.LAYER_NORM:
-                n = s.batch_size
+                n, d = s.batch_size, self._dummy
                 gamma, beta = self._gamma_beta()
-                seg = self._launch("seg_grads", self.k.segment_partials[K.SUM_GRADS], (n, self.Q), K.SEG_THREADS,
-                                   self._pre, self._d_z, *stats, gamma, beta, self.C, self.S, *self._seg)
+                seg = self._launch("seg_grads", lambda: (self.k.segment_partials[K.SUM_GRADS], (n, self.Q),
+                                                         K.SEG_THREADS, (self._pre, self._d_z, *stats, gamma, beta,
+                                                                         self.C, self.S, *self._seg)))
                 seg.set(1, d_y)
                 seg()
-                self._final("seg_grads_final", self.k.partials_final, n, *self._seg, self.Q, n, self._sums_seg)
+                self._launch("seg_grads_final", lambda: (self.k.partials_final, n, K.WARP,
+                                                         (*self._seg, self.Q, n, self._sums_seg)))()
                 sums, count = self._sums_seg, self.S
             elif self._batch_stats:
                 sums, count = self._sums_col, self.M
-        # d_z through the activation and the norm, and its per-channel partial sums (the
-        # bias gradient) in the same pass.
-        dz = self._rows(("dz", self._batch_stats), K.WRITE_DZ, self._pre, self._pre, self._d_z, stats, sums,
-                        self._batch_stats, count)
+        # d_z through the activation and the norm, and in the same pass its per-channel
+        # sums: the bias gradient.
+        dz = self._rows(("dz", self._batch_stats, param_grads), K.WRITE_DZ, self._pre, self._pre, self._d_z, stats,
+                        sums, self._batch_stats, count, acc=(g["bias"], None), accumulate=param_grads)
         dz.set(1, d_y)
         dz()
         d_x = None
@@ -284,12 +283,10 @@ class CudaBackend:
             d_x = self._output("d_x", s.input_shape)
             self.conv.backward_data(self._d_z, self.params["weights"], d_x)
         if param_grads:
-            self._final("bias_final", self.k.final_accumulate_stored, self.C, self._col[0], self.P, self.C,
-                        self.grads["bias"])
             self.conv.backward_filter(x, self._d_z, self._d_w)
             n = self._d_w.size
-            self._launch("accumulate_w", self.k.accumulate_stored, *K.elementwise_grid(n), self.grads["weights"],
-                         self._d_w, n)()
+            self._launch("accumulate_w", lambda: (self.k.accumulate_stored, *K.elementwise_grid(n),
+                                                  (g["weights"], self._d_w, n)))()
         return d_x
 
     # State ---------------------------------------------------------------------------------

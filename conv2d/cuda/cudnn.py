@@ -1,9 +1,10 @@
 """The one module that talks to cuDNN, through NVIDIA's cudnn-frontend graph API.
 
 For a LayerSpec it builds, once per (spec, device, TF32 choice, plan choice), the graphs
-the layer runs: forward (convolution + bias; convolution + bias + ReLU for evaluation
-without a norm; convolution + bias writing the pre-activations and their ReLU, for
-training without a norm), backward-data and backward-filter. Plans are cuDNN's
+the layer runs: forward (convolution + bias, and convolution + bias + ReLU for evaluation
+without a norm), backward-data and backward-filter. (A forward graph writing both the
+pre-activations and their ReLU builds, but cuDNN 9.19's engine for it fails at execute
+with CUDNN_STATUS_INTERNAL_ERROR, so training keeps the ReLU in the numba pass.) Plans are cuDNN's
 heuristic first choice, or with `autotune` the fastest deterministic plan measured on
 this GPU (`Graph.plan`, the engine's name, says which). Tensors are NHWC in memory and described to
 cuDNN in its NCHW dimension order with NHWC strides; weights (OC, KH, KW, IC) likewise.
@@ -112,6 +113,8 @@ class Execution:
             from cudnn._handle import to_backend_handle
 
             g = graph.graph
+            if getattr(g, "selected_engine", None) is not None:
+                raise LookupError("the plan is one of the frontend's Python engines, not a backend plan")
             order = [int(u) for u in g._variant_pack_uids()]
             if sorted(order) != sorted(uids):
                 raise LookupError("the graph's variant pack has other tensors")
@@ -183,13 +186,10 @@ def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autotune: An
             dim, stride = d[role]
             return g.tensor(name=role, dim=dim, stride=stride, data_type=dtype)
 
-        if op in ("forward", "forward_relu", "forward_keep_relu"):
+        if op in ("forward", "forward_relu"):
             t = {"x": tensor("x"), "w": tensor("w"), "b": tensor("b")}
             out = g.bias(input=g.conv_fprop(image=t["x"], weight=t["w"], **conv), bias=t["b"])
-            if op == "forward_keep_relu":
-                out.set_output(True).set_data_type(dt)
-                t["z"] = out
-            if op != "forward":
+            if op == "forward_relu":
                 out = g.relu(input=out)
             out.set_output(True).set_data_type(dt)
             t["y"] = out
@@ -305,9 +305,8 @@ class Convolutions:
     workspace sized for all of its graphs (and never grown once frozen).
 
     Arguments are numba device arrays, NHWC/C-contiguous, in the layer's storage format:
-    `forward(x, w, b, y, relu)` writes y = [relu](conv(x, w) + b); `forward_keep_relu(x,
-    w, b, z, y)` writes z = conv(x, w) + b and y = relu(z); `backward_data(d_z, w, d_x)`
-    writes d_x; `backward_filter(x, d_z, d_w)` writes d_w (storage format too).
+    `forward(x, w, b, y, relu)` writes y = [relu](conv(x, w) + b); `backward_data(d_z, w,
+    d_x)` writes d_x; `backward_filter(x, d_z, d_w)` writes d_w (storage format too).
     `plans` names the cuDNN plan of each graph.
     """
 
@@ -320,7 +319,7 @@ class Convolutions:
         self.handle = create_handle(stream_ptr)
         ops = ["forward", "backward_data", "backward_filter"]
         if relu_fusion:
-            ops += ["forward_relu", "forward_keep_relu"]
+            ops.append("forward_relu")
         bench = _Bench(cuda, spec, stream_ptr, self.handle) if autotune else None
         self.graphs = {op: graph(op, spec, device, allow_tf32, self.handle, bench) for op in ops}
         self.plans = {op: g.plan for op, g in self.graphs.items()}
@@ -348,9 +347,6 @@ class Convolutions:
 
     def forward(self, x, w, b, y, relu: bool = False) -> None:
         self._run("forward_relu" if relu else "forward", x=x, w=w, b=b, y=y)
-
-    def forward_keep_relu(self, x, w, b, z, y) -> None:
-        self._run("forward_keep_relu", x=x, w=w, b=b, z=z, y=y)
 
     def backward_data(self, d_z, w, d_x) -> None:
         self._run("backward_data", dy=d_z, w=w, dx=d_x)

@@ -41,6 +41,7 @@ ELEMENTWISE_MAX_BLOCKS = 132 * 16
 ROW_THREADS = 256
 ROW_MAX_BLOCKS = 132 * 8
 ROW_MIN_VALUES = 16
+ROW_WARPS = ROW_THREADS // 32
 SEG_THREADS = 256
 SEG_MAX_PARTIALS = 64
 WARP = 32
@@ -196,12 +197,10 @@ def _activation(act: Activation):
 class KernelSet:
     """The compiled kernels of one (storage, activation, norm) layer kind."""
 
-    rows: dict  # SUM_STATS, SUM_GRADS, WRITE_DZ, WRITE_Y -> row kernel
+    rows: dict  # SUM_STATS, SUM_GRADS, WRITE_DZ, WRITE_Y -> row kernel (phase two included)
     segment_partials: dict  # SUM_STATS, SUM_GRADS -> kernel
-    partials_final: object  # phase two: the totals
-    stats_final: object  # phase two of the statistics: mean, inv_std, running update
-    final_accumulate_f32: object  # phase two, totals added into two float32 gradients
-    final_accumulate_stored: object  # phase two, the total added into a storage-format gradient
+    partials_final: object  # phase two of a segment reduction: the totals
+    stats_final: object  # phase two of the segment statistics: mean, inv_std
     running_stats: object
     accumulate_stored: object  # grad += new, elementwise, both in the storage format
 
@@ -288,14 +287,61 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
             r += step
         return a0, a1
 
+    @cuda.jit(device=True, inline=True)
+    def block_warp_sums(p0, p1, P, G, g, sh0, sh1, w, lane):
+        # Warp w adds partials[p * G + g] over p for both arrays, in a fixed order and a
+        # fixed tree (that of `warp_sum`). Every thread of the block calls it together
+        # (it synchronises the block); a warp with g >= G adds nothing.
+        acc0, acc1 = ZERO, ZERO
+        if g < G:
+            for p in range(lane, P, WARP):
+                acc0 += p0[p * G + g]
+                acc1 += p1[p * G + g]
+        sh0[w, lane] = acc0
+        sh1[w, lane] = acc1
+        cuda.syncthreads()
+        width = WARP // 2
+        while width > 0:
+            if lane < width:
+                sh0[w, lane] += sh0[w, lane + width]
+                sh1[w, lane] += sh1[w, lane + width]
+            cuda.syncthreads()
+            width //= 2
+        return sh0[w, 0], sh1[w, 0]
+
+    @cuda.jit(device=True, inline=True)
+    def finish(kind, g, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, C, acc0, acc1, accumulate):
+        # Phase two's result for channel g from its totals t0, t1.
+        if kind == SUM_STATS:
+            # Shifted sums: t0 = sum(z - shift), t1 = sum((z - shift)^2), shift = z[0, g].
+            m1 = t0 / count
+            var = max(t1 / count - m1 * m1, ZERO)
+            mu = load(z, g) + m1
+            mean[g] = mu
+            inv_std[g] = ONE / math.sqrt(var + epsilon)
+            if accumulate:  # the running statistics
+                acc0[g] = (ONE - momentum) * acc0[g] + momentum * mu
+                acc1[g] = (ONE - momentum) * acc1[g] + momentum * var
+        elif kind == SUM_GRADS:
+            sums[g] = t0
+            sums[C + g] = t1
+            if accumulate:  # d_beta, d_gamma
+                acc0[g] += t0
+                acc1[g] += t1
+        elif accumulate:  # WRITE_DZ: d_b, in the storage format
+            store(acc0, g, load(acc0, g) + t0)
+
     def make_rows(kind):
         @cuda.jit
-        def rows(z, d_y, out, mean, inv_std, gamma, beta, sums, batch_stats, count, M, C, S, out0, out1):
+        def rows(z, d_y, out, mean, inv_std, gamma, beta, sums, batch_stats, count, epsilon, momentum, M, C, S,
+                 out0, out1, counter, acc0, acc1, accumulate):
             """One pass over the (M, C) values: grid P blocks of ROW_THREADS, block p takes
             the rows [p*ceil(M/P), (p+1)*ceil(M/P)). With C < ROW_THREADS a thread keeps one
             channel (t % C) and takes every R-th row (R = ROW_THREADS // C), so a block
             reads consecutive values; otherwise a thread takes channels t, t+ROW_THREADS, ...
-            Sums land in out0/out1 (P, C), one per block and channel, in a fixed order."""
+            Summing kinds write one partial per block and channel to out0/out1 (P, C); the
+            last block to finish (counted in counter[0], which it resets) adds them up in
+            a fixed order and finishes (`finish`): phase two without another launch."""
             s0 = cuda.shared.array(ROW_THREADS, dtype=np.float32)
             s1 = cuda.shared.array(ROW_THREADS, dtype=np.float32)
             t = cuda.threadIdx.x
@@ -328,6 +374,27 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
                     if kind != WRITE_Y:
                         out0[p * C + c] = a0
                         out1[p * C + c] = a1
+            if kind != WRITE_Y:
+                last = cuda.shared.array(1, dtype=np.int32)
+                sh0 = cuda.shared.array((ROW_WARPS, WARP), dtype=np.float32)
+                sh1 = cuda.shared.array((ROW_WARPS, WARP), dtype=np.float32)
+                cuda.threadfence()  # this block's partials before its ticket
+                cuda.syncthreads()
+                if t == 0:
+                    last[0] = 1 if cuda.atomic.add(counter, 0, 1) == cuda.gridDim.x - 1 else 0
+                cuda.syncthreads()
+                if last[0] == 1:
+                    w = t // WARP
+                    lane = t % WARP
+                    P = cuda.gridDim.x
+                    for g0 in range(0, C, ROW_WARPS):
+                        t0, t1 = block_warp_sums(out0, out1, P, C, g0 + w, sh0, sh1, w, lane)
+                        if lane == 0 and g0 + w < C:
+                            finish(kind, g0 + w, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, C,
+                                   acc0, acc1, accumulate)
+                        cuda.syncthreads()
+                    if t == 0:
+                        counter[0] = 0
         return rows
 
     rows = {k: make_rows(k) for k in (SUM_STATS, SUM_GRADS, WRITE_DZ, WRITE_Y)}
@@ -435,29 +502,6 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
                 running_var[g] = (ONE - momentum) * running_var[g] + momentum * var
 
     @cuda.jit
-    def final_accumulate_f32(p0, p1, P, G, sums, grad0, grad1):
-        """partials_final, and grad0[g] += total0, grad1[g] += total1 (float32 gradients)."""
-        sh = cuda.shared.array(WARP, dtype=np.float32)
-        g = cuda.blockIdx.x
-        lane = cuda.threadIdx.x
-        t0, t1 = warp_sums(p0, p1, P, G, g, sh, lane)
-        if lane == 0:
-            sums[g] = t0
-            sums[G + g] = t1
-            grad0[g] += t0
-            grad1[g] += t1
-
-    @cuda.jit
-    def final_accumulate_stored(p0, P, G, grad):
-        """grad[g] += the total of p0 over its P partials (a storage-format gradient)."""
-        sh = cuda.shared.array(WARP, dtype=np.float32)
-        g = cuda.blockIdx.x
-        lane = cuda.threadIdx.x
-        t0 = warp_sum(p0, P, G, g, sh, lane)
-        if lane == 0:
-            store(grad, g, load(grad, g) + t0)
-
-    @cuda.jit
     def running_stats(running_mean, running_var, epsilon, mean, inv_std):
         """Batch norm outside training: mean = running_mean, inv_std = 1/sqrt(running_var + eps)."""
         c = cuda.grid(1)
@@ -471,8 +515,7 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         for i in range(cuda.grid(1), total, cuda.gridsize(1)):
             store(grad, i, load(grad, i) + load(new, i))
 
-    return KernelSet(rows, segment_partials, partials_final, stats_final, final_accumulate_f32,
-                     final_accumulate_stored, running_stats, accumulate_stored)
+    return KernelSet(rows, segment_partials, partials_final, stats_final, running_stats, accumulate_stored)
 
 
 def small_grid(total: int) -> tuple[int, int]:
