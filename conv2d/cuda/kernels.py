@@ -42,6 +42,7 @@ ROW_THREADS = 256
 ROW_MAX_BLOCKS = 132 * 8
 ROW_MIN_VALUES = 16
 ROW_WARPS = ROW_THREADS // 32
+ROW_UNROLL = 4
 SEG_THREADS = 256
 SEG_MAX_PARTIALS = 64
 WARP = 32
@@ -221,30 +222,32 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         return 0
 
     @cuda.jit(device=True, inline=True)
-    def act_input(z, i, c, g, mean, inv_std, gamma, beta):
-        # (a, x_hat): the activation's input, and the normalised value.
-        zi = load(z, i)
+    def act_value(zi, c, g, mean, inv_std, gamma, beta):
+        # (a, x_hat): the activation's input, and the normalised value, for z = zi.
         if mode == NORM_NONE:
             return zi, zi
         x_hat = (zi - mean[g]) * inv_std[g]
         return gamma[c] * x_hat + beta[c], x_hat
 
     @cuda.jit(device=True, inline=True)
-    def row_terms(kind, z, d_y, out, r, c, C, S, mean, inv_std, gamma, beta, sums, batch_stats, count):
-        # What a row kernel does with the value at row r, channel c; returns the two
-        # values it sums. Statistics are summed shifted by the channel's first value,
-        # which keeps the variance from cancelling when the mean is large against the
-        # spread. WRITE_DZ sums d_z as stored (the bias gradient of the stored d_z).
-        i = r * C + c
-        g = row_group(r, c, C, S)
+    def act_input(z, i, c, g, mean, inv_std, gamma, beta):
+        return act_value(load(z, i), c, g, mean, inv_std, gamma, beta)
+
+    @cuda.jit(device=True, inline=True)
+    def row_terms(kind, zi, gi, out, i, c, g, shift, mean, inv_std, gamma, beta, sums, batch_stats, count):
+        # What a row kernel does with value i (channel c, group g), given z[i] = zi and
+        # d_y[i] = gi; returns the two values it sums. Statistics are summed shifted by
+        # the channel's first value, which keeps the variance from cancelling when the
+        # mean is large against the spread. WRITE_DZ sums d_z as stored (the bias
+        # gradient of the stored d_z).
         if kind == SUM_STATS:
-            v = load(z, i) - load(z, c)
+            v = zi - shift
             return v, v * v
-        a, x_hat = act_input(z, i, c, g, mean, inv_std, gamma, beta)
+        a, x_hat = act_value(zi, c, g, mean, inv_std, gamma, beta)
         if kind == WRITE_Y:
             store(out, i, act_f(a))
             return ZERO, ZERO
-        d_a = load(d_y, i) * act_d(a)
+        d_a = gi * act_d(a)
         if kind == SUM_GRADS:
             return d_a, d_a * x_hat
         G = mean.size
@@ -260,31 +263,28 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
 
     @cuda.jit(device=True, inline=True)
     def row_run(kind, z, d_y, out, c, r, end, step, C, S, mean, inv_std, gamma, beta, sums, batch_stats, count):
-        # Rows r, r + step, ... < end of channel c, summed in that order; four rows per
-        # turn so that four loads are in flight (the additions keep the sequential order).
+        # Rows r, r + step, ... < end of channel c, summed in that order. Each turn loads
+        # ROW_UNROLL rows first, so that many loads are in flight, then computes them in
+        # order (one copy of the per-value code keeps numba's compile time short).
+        zs = cuda.local.array(ROW_UNROLL, dtype=np.float32)
+        gs = cuda.local.array(ROW_UNROLL, dtype=np.float32)
+        shift = load(z, c) if kind == SUM_STATS else ZERO
         a0, a1 = ZERO, ZERO
-        while r + 3 * step < end:
-            u0, u1 = row_terms(kind, z, d_y, out, r, c, C, S, mean, inv_std, gamma, beta, sums, batch_stats, count)
-            v0, v1 = row_terms(kind, z, d_y, out, r + step, c, C, S, mean, inv_std, gamma, beta, sums,
-                               batch_stats, count)
-            w0, w1 = row_terms(kind, z, d_y, out, r + 2 * step, c, C, S, mean, inv_std, gamma, beta, sums,
-                               batch_stats, count)
-            x0, x1 = row_terms(kind, z, d_y, out, r + 3 * step, c, C, S, mean, inv_std, gamma, beta, sums,
-                               batch_stats, count)
-            a0 += u0
-            a0 += v0
-            a0 += w0
-            a0 += x0
-            a1 += u1
-            a1 += v1
-            a1 += w1
-            a1 += x1
-            r += 4 * step
         while r < end:
-            u0, u1 = row_terms(kind, z, d_y, out, r, c, C, S, mean, inv_std, gamma, beta, sums, batch_stats, count)
-            a0 += u0
-            a1 += u1
-            r += step
+            for k in range(ROW_UNROLL):
+                rk = r + k * step
+                if rk < end:
+                    zs[k] = load(z, rk * C + c)
+                    if kind == SUM_GRADS or kind == WRITE_DZ:
+                        gs[k] = load(d_y, rk * C + c)
+            for k in range(ROW_UNROLL):
+                rk = r + k * step
+                if rk < end:
+                    u0, u1 = row_terms(kind, zs[k], gs[k], out, rk * C + c, c, row_group(rk, c, C, S), shift,
+                                       mean, inv_std, gamma, beta, sums, batch_stats, count)
+                    a0 += u0
+                    a1 += u1
+            r += ROW_UNROLL * step
         return a0, a1
 
     @cuda.jit(device=True, inline=True)
@@ -349,31 +349,32 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
             per = -(-M // cuda.gridDim.x)
             start = p * per
             end = min(M, start + per)
+            # One call site of row_run for both layouts: each copy of the inlined
+            # per-value code costs numba seconds of compile time.
+            R = ROW_THREADS // C if C < ROW_THREADS else 1
             if C < ROW_THREADS:
-                R = ROW_THREADS // C
-                c = t % C
-                a0, a1 = ZERO, ZERO
-                if t < R * C:
-                    a0, a1 = row_run(kind, z, d_y, out, c, start + t // C, end, R, C, S, mean, inv_std, gamma,
-                                     beta, sums, batch_stats, count)
-                if kind != WRITE_Y:
-                    s0[t] = a0
-                    s1[t] = a1
-                    cuda.syncthreads()
-                    if t < C:
-                        t0, t1 = ZERO, ZERO
-                        for j in range(R):
-                            t0 += s0[j * C + t]
-                            t1 += s1[j * C + t]
-                        out0[p * C + t] = t0
-                        out1[p * C + t] = t1
+                c_first, r_first, step = t % C, start + t // C, R
+                c_end = c_first + 1 if t < R * C else c_first
             else:
-                for c in range(t, C, ROW_THREADS):
-                    a0, a1 = row_run(kind, z, d_y, out, c, start, end, 1, C, S, mean, inv_std, gamma, beta,
-                                     sums, batch_stats, count)
-                    if kind != WRITE_Y:
-                        out0[p * C + c] = a0
-                        out1[p * C + c] = a1
+                c_first, r_first, step, c_end = t, start, 1, C
+            a0, a1 = ZERO, ZERO
+            for c in range(c_first, c_end, ROW_THREADS):
+                a0, a1 = row_run(kind, z, d_y, out, c, r_first, end, step, C, S, mean, inv_std, gamma, beta, sums,
+                                 batch_stats, count)
+                if kind != WRITE_Y and C >= ROW_THREADS:
+                    out0[p * C + c] = a0
+                    out1[p * C + c] = a1
+            if kind != WRITE_Y and C < ROW_THREADS:
+                s0[t] = a0
+                s1[t] = a1
+                cuda.syncthreads()
+                if t < C:
+                    t0, t1 = ZERO, ZERO
+                    for j in range(R):
+                        t0 += s0[j * C + t]
+                        t1 += s1[j * C + t]
+                    out0[p * C + t] = t0
+                    out1[p * C + t] = t1
             if kind != WRITE_Y:
                 last = cuda.shared.array(1, dtype=np.int32)
                 sh0 = cuda.shared.array((ROW_WARPS, WARP), dtype=np.float32)
