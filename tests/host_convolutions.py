@@ -27,10 +27,6 @@ class HostConvolutions:
         z += self._get(b, (s.out_channels,))
         self._put(np.maximum(z, 0) if relu else z, y, self.st)
 
-    def forward_keep_relu(self, x, w, b, z, y):
-        self.forward(x, w, b, z)
-        self._put(np.maximum(self._get(z, z.shape), 0), y, self.st)
-
     def backward_data(self, d_z, w, d_x):
         s = self.spec
         dx = conv.conv_backward_data(self._get(w, s.weight_shape), self._get(d_z, s.output_shape),
