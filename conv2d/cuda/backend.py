@@ -260,7 +260,7 @@ class CudaBackend:
             grads.set(1, d_y)
             grads()
             if norm is Normalization.LAYER_NORM:
-                n, d = s.batch_size, self._dummy
+                n = s.batch_size
                 gamma, beta = self._gamma_beta()
                 seg = self._launch("seg_grads", lambda: (self.k.segment_partials[K.SUM_GRADS], (n, self.Q),
                                                          K.SEG_THREADS, (self._pre, self._d_z, *stats, gamma, beta,
