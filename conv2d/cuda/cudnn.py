@@ -147,8 +147,8 @@ class Execution:
                     except Exception:
                         if self._proven:
                             raise
-                        # The native entry point refused this graph on its first call
-                        # (seen with a graph of two outputs): the public form from now on.
+                        # The native entry point refused this graph on its first call: the
+                        # public form from now on (it raises in turn if the graph cannot run).
                         self._native = None
                 g.graph.execute(self._ptrs, self._workspace, handle=self._handle, tensor_uids=self._uids)
         except Exception as e:
