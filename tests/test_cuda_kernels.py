@@ -105,3 +105,22 @@ def test_autotune_must_be_a_bool():
     spec = LayerSpec(batch_size=1, in_height=4, in_width=4, in_channels=1, out_channels=1, kernel=3)
     with pytest.raises(TypeError, match="autotune: expected a bool, got 'yes'"):
         Conv2d(spec, backend="cuda", autotune="yes")
+
+
+@pytest.mark.parametrize("norm", ["none", "batch_norm"])
+def test_phase_two_in_the_last_block_runs_again_on_the_next_launch(monkeypatch, norm):
+    # Several blocks per row kernel: each launch's last block must finish and reset its
+    # counter, so a second step on new data matches the reference as the first did.
+    monkeypatch.setattr(K, "row_partition", lambda M, C: 4)
+    spec = LayerSpec(batch_size=3, in_height=5, in_width=4, in_channels=2, out_channels=3, kernel=3, padding=1,
+                     activation="relu", normalization=norm, dtype="float32")
+    ours, ref = cuda_layer(spec), make_layer(spec, backend="reference")
+    for seed in (1, 2):
+        x, dy = random_inputs(spec, seed=seed)
+        np.testing.assert_allclose(as_numpy(ours.forward(x)), ref.forward(x), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(as_numpy(ours.backward_full(x, dy)), ref.backward_full(x, dy), rtol=1e-4,
+                                   atol=1e-5)
+    for k, g in ref.grad_dict().items():
+        np.testing.assert_allclose(ours.grad_dict()[k], g, rtol=1e-4, atol=1e-5, err_msg=k)
+    for k, v in ref.state_dict().items():
+        np.testing.assert_allclose(ours.state_dict()[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
