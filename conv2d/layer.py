@@ -106,9 +106,9 @@ class Conv2d:
 
     def freeze(self) -> None:
         """CUDA backend: forbid device allocation from now on (for CUDA graph capture).
-        The cuDNN workspace may no longer grow (a clear error if it would have to), NumPy
-        inputs are refused (they need a device copy), and outputs go to layer-owned buffers
-        that the next call of the same operation overwrites."""
+        The cuDNN workspace is sized at construction and never grows, NumPy inputs are
+        refused (they need a device copy), and outputs go to layer-owned buffers that the
+        next call of the same operation overwrites."""
         freeze = getattr(self._impl, "freeze", None)
         if freeze is None:
             raise TypeError(f"freeze: the {self.backend!r} backend allocates with NumPy and has nothing to freeze")

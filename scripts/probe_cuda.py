@@ -60,7 +60,7 @@ def main() -> None:
 
     from conv2d import Conv2d
     from conv2d.cuda import cudnn, kernels as K
-    from conv2d.cuda.launch import Launch
+    from conv2d.cuda.launch import Launch, device_pointer
     from conv2d.cuda.memory import OutputAllocator
     from conv2d.cuda.runtime import to_device_bits
 
@@ -95,11 +95,11 @@ def main() -> None:
     x_dev = cuda.to_device(rng.standard_normal(spec.input_shape).astype(np.float32))
     out = cuda.device_array(spec.output_shape, np.float32)
     arrays = {"x": x_dev, "w": impl.params["weights"], "b": impl.params["bias"], "y": out}
-    pack = {g.tensors[r]: cudnn._pointer(a) for r, a in arrays.items()}
-    ws = conv._reserve(g.workspace_size)
+    pack = {g.tensors[r]: device_pointer(a) for r, a in arrays.items()}
+    ws = conv.workspace_ptr
     public = host_us(lambda: g.graph.execute(pack, ws, handle=conv.handle), sync)
     for role, a in arrays.items():
-        execution.set(role, cudnn._pointer(a))
+        execution.set(role, device_pointer(a))
     print(f"2. cuDNN execute: frontend execute(dict) {public:.1f} us, prepared Execution "
           f"{host_us(execution.run, sync):.1f} us (native entry point: {execution.native})", flush=True)
 

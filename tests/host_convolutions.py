@@ -13,7 +13,6 @@ class HostConvolutions:
     def __init__(self, spec):
         self.spec = spec
         self.st = storage_dtype(spec.dtype)
-        self.frozen = False
 
     def _get(self, a, shape):
         return from_device_bits(a.copy_to_host(), self.st).reshape(shape).astype(np.float32)

@@ -95,9 +95,9 @@ class CudaBackend:
 
     # Memory --------------------------------------------------------------------------------
     def freeze(self) -> None:
-        """Forbid allocation from now on: the workspace may not grow, and outputs are written
-        into layer-owned buffers (y, d_x) that the next call of the same operation reuses.
-        Freezing a frozen layer changes nothing."""
+        """Forbid allocation from now on (the cuDNN workspace is sized at construction):
+        outputs are written into layer-owned buffers (y, d_x) that the next call of the
+        same operation reuses. Freezing a frozen layer changes nothing."""
         if self._frozen:
             return
         alloc = self.cuda.device_array
@@ -106,7 +106,6 @@ class CudaBackend:
         if self._eval_pre is None:
             self._eval_pre = alloc(self.total, self.dev_dt)
         self._frozen = True
-        self.conv.frozen = True
 
     def _output(self, name: str, shape: tuple[int, ...]):
         if self._outputs is not None:

@@ -4,22 +4,26 @@ For a LayerSpec it builds, once per (spec, device, TF32 choice, plan choice), th
 the layer runs: forward (convolution + bias, and convolution + bias + ReLU for evaluation
 without a norm), backward-data and backward-filter. (A forward graph writing both the
 pre-activations and their ReLU builds, but cuDNN 9.19's engine for it fails at execute
-with CUDNN_STATUS_INTERNAL_ERROR, so training keeps the ReLU in the numba pass.) Plans are cuDNN's
-heuristic first choice, or with `autotune` the fastest deterministic plan measured on
-this GPU (`Graph.plan`, the engine's name, says which). Tensors are NHWC in memory and described to
-cuDNN in its NCHW dimension order with NHWC strides; weights (OC, KH, KW, IC) likewise.
-Only engines without the NONDETERMINISTIC numerical note are kept; float32 keeps only
-engines without TENSOR_CORE / DOWN_CONVERT_INPUTS (no TF32) unless TF32 is allowed;
-16-bit types compute in float32 and drop REDUCED_PRECISION_REDUCTION engines.
+with CUDNN_STATUS_INTERNAL_ERROR, so training keeps the ReLU in the numba pass.) Plans
+are cuDNN's heuristic first choice, or with `autotune` the fastest deterministic plan
+measured on this GPU (`Graph.plan`, the engine's name, says which). Tensors are NHWC
+in memory and described to cuDNN in its NCHW dimension order with NHWC strides; weights
+(OC, KH, KW, IC) likewise. Only engines without the NONDETERMINISTIC numerical note are
+kept; float32 keeps only engines without TENSOR_CORE / DOWN_CONVERT_INPUTS (no TF32)
+unless TF32 is allowed; 16-bit types compute in float32 and drop
+REDUCED_PRECISION_REDUCTION engines.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from conv2d.cuda.launch import device_pointer
 from conv2d.cuda.runtime import INSTALL_HINT, CudaUnavailableError
@@ -244,7 +248,8 @@ AUTOTUNE_MAX_WORKSPACE = 1 << 30
 
 
 def _autotune(cudnn: Any, g: Any, tensors: dict, bench: Any) -> int | None:
-    """Build every plan, time each on random data (`bench(pack, run)` returns ms),
+    """Build every plan, time each on random data (`bench(tensors, workspace, run)`
+    returns ms),
     pin the fastest; plans within 2% of it count as equal and the heuristic's earlier
     rank wins, so that noise changes the choice less often. Returns the index, or None
     where no plan could be timed (the caller builds the heuristic's choice)."""
@@ -302,7 +307,8 @@ def cache_size() -> int:
 
 class Convolutions:
     """A layer's three convolutions through cuDNN, on its handle and stream, with one
-    workspace sized for all of its graphs (and never grown once frozen).
+    workspace sized at construction for all of its graphs (it never grows, so a frozen
+    layer allocates nothing here).
 
     Arguments are numba device arrays, NHWC/C-contiguous, in the layer's storage format:
     `forward(x, w, b, y, relu)` writes y = [relu](conv(x, w) + b); `backward_data(d_z, w,
@@ -312,9 +318,6 @@ class Convolutions:
 
     def __init__(self, cuda, spec: LayerSpec, stream_ptr: int, device: int, allow_tf32: bool,
                  relu_fusion: bool, autotune: bool = False) -> None:
-        import numpy as np
-
-        self._np = np
         self.cuda = cuda
         self.handle = create_handle(stream_ptr)
         ops = ["forward", "backward_data", "backward_filter"]
@@ -324,20 +327,10 @@ class Convolutions:
         self.graphs = {op: graph(op, spec, device, allow_tf32, self.handle, bench) for op in ops}
         self.plans = {op: g.plan for op, g in self.graphs.items()}
         self.relu_fusion = relu_fusion
-        self.frozen = False
-        self._workspace = None
-        self._workspace_size = 0
-        ws = self._reserve(max(g.workspace_size for g in self.graphs.values()))
-        self._executions = {op: Execution(g, self.handle, ws) for op, g in self.graphs.items()}
-
-    def _reserve(self, size: int) -> int:
-        if self._workspace is None or size > self._workspace_size:
-            if self.frozen:
-                raise RuntimeError(f"workspace: the layer is frozen, and cuDNN needs {size} bytes of workspace "
-                                   f"where {self._workspace_size} are allocated")
-            self._workspace = self.cuda.device_array(max(size, 1), self._np.uint8)
-            self._workspace_size = size
-        return _pointer(self._workspace)
+        size = max(g.workspace_size for g in self.graphs.values())
+        self._workspace = cuda.device_array(max(size, 1), np.uint8)
+        self.workspace_ptr = device_pointer(self._workspace)
+        self._executions = {op: Execution(g, self.handle, self.workspace_ptr) for op, g in self.graphs.items()}
 
     def _run(self, op: str, **arrays) -> None:
         e = self._executions[op]
@@ -365,8 +358,6 @@ class _Bench:
         self._buffers: dict = {}
 
     def _buffer(self, role: str):
-        import numpy as np
-
         s = self.spec
         shape = {"x": s.input_shape, "dx": s.input_shape, "w": s.weight_shape, "dw": s.weight_shape,
                  "b": (s.out_channels,)}.get(role, s.output_shape)
@@ -382,13 +373,9 @@ class _Bench:
         return found
 
     def __call__(self, tensors: dict, workspace: int, run) -> float:
-        import statistics
-
-        import numpy as np
-
-        pack = {t: _pointer(self._buffer(role)) for role, t in tensors.items()}
+        pack = {t: device_pointer(self._buffer(role)) for role, t in tensors.items()}
         ws = self.cuda.device_array(max(workspace, 1), np.uint8, stream=self.stream)
-        wsp = _pointer(ws)
+        wsp = device_pointer(ws)
         run(pack, wsp, self.handle)
         self.stream.synchronize()
         t0 = time.perf_counter()
@@ -406,6 +393,3 @@ class _Bench:
             rounds.append(self.cuda.event_elapsed_time(start, end) / reps)
         return statistics.median(rounds)
 
-
-def _pointer(a: Any) -> int:
-    return int(a.__cuda_array_interface__["data"][0])
