@@ -44,8 +44,8 @@ ELEMENTWISE_MAX_BLOCKS = 132 * 16
 ROW_THREADS = 256
 ROW_MAX_BLOCKS = 132 * 8
 ROW_MIN_VALUES = 16
-ROW_WARPS = ROW_THREADS // 32
 ROW_UNROLL = 4
+PHASE_TWO_UNROLL = 4
 SEG_THREADS = 256
 SEG_MAX_PARTIALS = 64
 WARP = 32
@@ -303,26 +303,25 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         return a0, a1
 
     @cuda.jit(device=True, inline=True)
-    def block_warp_sums(p0, p1, P, G, g, sh0, sh1, w, lane):
-        # Warp w adds partials[p * G + g] over p for both arrays, in a fixed order and a
-        # fixed tree (that of `warp_sum`). Every thread of the block calls it together
-        # (it synchronises the block); a warp with g >= G adds nothing.
-        acc0, acc1 = ZERO, ZERO
-        if g < G:
-            for p in range(lane, P, WARP):
-                acc0 += p0[p * G + g]
-                acc1 += p1[p * G + g]
-        sh0[w, lane] = acc0
-        sh1[w, lane] = acc1
-        cuda.syncthreads()
-        width = WARP // 2
-        while width > 0:
-            if lane < width:
-                sh0[w, lane] += sh0[w, lane + width]
-                sh1[w, lane] += sh1[w, lane + width]
-            cuda.syncthreads()
-            width //= 2
-        return sh0[w, 0], sh1[w, 0]
+    def column_sums(p0, p1, j, P, R, C, c):
+        # Sums of partials[p * C + c] over p = j, j + R, ... < P for both arrays, in that
+        # order; PHASE_TWO_UNROLL loads in flight (a warp reads consecutive channels).
+        b0 = cuda.local.array(PHASE_TWO_UNROLL, dtype=np.float32)
+        b1 = cuda.local.array(PHASE_TWO_UNROLL, dtype=np.float32)
+        a0, a1 = ZERO, ZERO
+        p = j
+        while p < P:
+            for k in range(PHASE_TWO_UNROLL):
+                q = p + k * R
+                if q < P:
+                    b0[k] = p0[q * C + c]
+                    b1[k] = p1[q * C + c]
+            for k in range(PHASE_TWO_UNROLL):
+                if p + k * R < P:
+                    a0 += b0[k]
+                    a1 += b1[k]
+            p += PHASE_TWO_UNROLL * R
+        return a0, a1
 
     @cuda.jit(device=True, inline=True)
     def finish(kind, g, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, C, acc0, acc1, accumulate):
@@ -392,23 +391,36 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
                     out1[p * C + t] = t1
             if kind != WRITE_Y:
                 last = cuda.shared.array(1, dtype=np.int32)
-                sh0 = cuda.shared.array((ROW_WARPS, WARP), dtype=np.float32)
-                sh1 = cuda.shared.array((ROW_WARPS, WARP), dtype=np.float32)
                 cuda.threadfence()  # this block's partials before its ticket
                 cuda.syncthreads()
                 if t == 0:
                     last[0] = 1 if cuda.atomic.add(counter, 0, 1) == cuda.gridDim.x - 1 else 0
                 cuda.syncthreads()
                 if last[0] == 1:
-                    w = t // WARP
-                    lane = t % WARP
+                    # Phase two, the same layout again: with C < ROW_THREADS, thread t
+                    # adds the partials of blocks t // C, t // C + R, ... of channel t % C,
+                    # then the R sums of a channel are added in order; otherwise thread t
+                    # adds all P partials of its channels.
                     P = cuda.gridDim.x
-                    for g0 in range(0, C, ROW_WARPS):
-                        t0, t1 = block_warp_sums(out0, out1, P, C, g0 + w, sh0, sh1, w, lane)
-                        if lane == 0 and g0 + w < C:
-                            finish(kind, g0 + w, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, C,
-                                   acc0, acc1, accumulate)
+                    if C < ROW_THREADS:
+                        u0, u1 = ZERO, ZERO
+                        if t < R * C:
+                            u0, u1 = column_sums(out0, out1, t // C, P, R, C, t % C)
+                        s0[t] = u0
+                        s1[t] = u1
                         cuda.syncthreads()
+                        if t < C:
+                            t0, t1 = ZERO, ZERO
+                            for j in range(R):
+                                t0 += s0[j * C + t]
+                                t1 += s1[j * C + t]
+                            finish(kind, t, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, C,
+                                   acc0, acc1, accumulate)
+                    else:
+                        for c in range(t, C, ROW_THREADS):
+                            t0, t1 = column_sums(out0, out1, 0, P, 1, C, c)
+                            finish(kind, c, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, C,
+                                   acc0, acc1, accumulate)
                     if t == 0:
                         counter[0] = 0
         return rows

@@ -1,0 +1,138 @@
+"""Where the GPU time of one CUDA training step goes: each cuDNN execute and each kernel
+launch of forward(training) + backward_full timed with CUDA events on the layer's
+stream, and the whole step replayed as a CUDA graph; optionally swept over the row
+kernels' launch shape (blocks at most, rows loaded ahead).
+
+    python scripts/breakdown_cuda.py [--shapes resnet_28,rl_small] [--dtypes bfloat16] [--bn 1]
+                                     [--max-blocks 1056,264] [--unroll 4,8] [--steps 20]
+
+Row kernels also print the bandwidth they reach: the bytes they must move (z read; d_y
+read by the gradient passes; y or d_z written) over their time. Events between launches
+add a little time to each piece; the graph column has none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_shapes import bench_spec, inputs  # noqa: E402
+
+# Values of (M, C) each row pass reads and writes: z, plus d_y, plus y or d_z.
+ROW_TRAFFIC = {"stats": 1, "apply": 2, "grads": 2, "dz": 3}
+
+
+def measure(spec, steps: int) -> tuple[dict[str, float], float, int]:
+    from conv2d import Conv2d
+    from conv2d.cuda import backend, cudnn
+    from conv2d.cuda.launch import Launch
+    from conv2d.cuda.runtime import to_device_bits
+
+    layer = Conv2d(spec, "cuda")
+    layer.init_weights(np.random.default_rng(0))
+    impl = layer._impl
+    cuda, stream = impl.cuda, impl.stream
+    x_host, dy_host = inputs(spec)
+    x = cuda.to_device(to_device_bits(x_host), stream=stream)
+    dy = cuda.to_device(to_device_bits(dy_host), stream=stream)
+
+    def step():
+        layer.forward(x, training=True)
+        layer.backward_full(x, dy)
+
+    for _ in range(3):
+        step()
+    stream.synchronize()
+
+    pieces: list[tuple[str, object, object]] = []
+    launch_call, execute_run, make_launch = Launch.__call__, cudnn.Execution.run, backend.CudaBackend._launch
+
+    def timed(label, run):
+        start, end = cuda.event(), cuda.event()
+        start.record(stream)
+        run()
+        end.record(stream)
+        pieces.append((label, start, end))
+
+    def label_launch(self, key, make):
+        found = make_launch(self, key, make)
+        found.label = key[0] if isinstance(key, tuple) else key
+        return found
+
+    Launch.__call__ = lambda self: timed(getattr(self, "label", "kernel"), lambda: launch_call(self))
+    cudnn.Execution.run = lambda self: timed(self.graph.op, lambda: execute_run(self))
+    backend.CudaBackend._launch = label_launch
+    impl._launches.clear()  # prepared again, now labelled
+    try:
+        per = defaultdict(list)
+        for _ in range(steps):
+            pieces.clear()
+            step()
+            stream.synchronize()
+            seen = defaultdict(float)
+            for label, start, end in pieces:
+                seen[label] += cuda.event_elapsed_time(start, end)
+            for label, ms in seen.items():
+                per[label].append(ms)
+    finally:
+        Launch.__call__, cudnn.Execution.run, backend.CudaBackend._launch = launch_call, execute_run, make_launch
+        impl._launches.clear()
+
+    graph = layer.capture(x, dy)
+    graph.replay()
+    stream.synchronize()
+    rounds = []
+    for _ in range(5):
+        start, end = cuda.event(), cuda.event()
+        start.record(stream)
+        for _ in range(steps):
+            graph.replay()
+        end.record(stream)
+        end.synchronize()
+        rounds.append(cuda.event_elapsed_time(start, end) / steps)
+    return {k: statistics.median(v) for k, v in per.items()}, statistics.median(rounds), impl.P
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="resnet_28,resnet_56,rl_small")
+    ap.add_argument("--dtypes", default="bfloat16")
+    ap.add_argument("--bn", default="1", help="comma list of 0/1")
+    ap.add_argument("--max-blocks", default="", help="comma list of kernels.ROW_MAX_BLOCKS values")
+    ap.add_argument("--unroll", default="", help="comma list of kernels.ROW_UNROLL values")
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+
+    from conv2d.cuda import kernels as K
+
+    blocks = [int(v) for v in args.max_blocks.split(",") if v] or [K.ROW_MAX_BLOCKS]
+    unrolls = [int(v) for v in args.unroll.split(",") if v] or [K.ROW_UNROLL]
+    for unroll in unrolls:
+        for max_blocks in blocks:
+            K.ROW_UNROLL, K.ROW_MAX_BLOCKS = unroll, max_blocks
+            K.kernel_set.cache_clear()  # compiled again with this ROW_UNROLL
+            for shape in args.shapes.split(","):
+                for dtype in args.dtypes.split(","):
+                    for bn in args.bn.split(","):
+                        spec = bench_spec(shape, bn == "1", dtype)
+                        pieces, graph_ms, P = measure(spec, args.steps)
+                        item = 4 if dtype == "float32" else 2
+                        values = int(np.prod(spec.output_shape))
+                        parts = []
+                        for label, ms in pieces.items():
+                            text = f"{label} {1e3 * ms:.1f}"
+                            if label in ROW_TRAFFIC:
+                                text += f" ({ROW_TRAFFIC[label] * values * item / (ms * 1e-3) / 1e12:.2f} TB/s)"
+                            parts.append(text)
+                        print(f"{shape} {dtype} bn={bn} unroll={unroll} blocks={P}: graph {1e3 * graph_ms:.1f} us, "
+                              f"eager pieces {1e3 * sum(pieces.values()):.1f} us = " + ", ".join(parts), flush=True)
+
+
+if __name__ == "__main__":
+    main()
