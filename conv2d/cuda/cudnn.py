@@ -67,6 +67,9 @@ def _import_cudnn():
         return cudnn
 
 
+_BUILD_LOCK = threading.RLock()
+
+
 def create_handle(stream_ptr: int) -> Any:
     cudnn = _import_cudnn()
     try:
@@ -319,16 +322,20 @@ class Convolutions:
     def __init__(self, cuda, spec: LayerSpec, stream_ptr: int, device: int, allow_tf32: bool,
                  relu_fusion: bool, autotune: bool = False) -> None:
         self.cuda = cuda
-        self.handle = create_handle(stream_ptr)
         ops = ["forward", "backward_data", "backward_filter"]
         if relu_fusion:
             ops.append("forward_relu")
-        bench = _Bench(cuda, spec, stream_ptr, self.handle) if autotune else None
-        self.graphs = {op: graph(op, spec, device, allow_tf32, self.handle, bench) for op in ops}
+        # One layer at a time builds its cuDNN resources: on the H200 two threads that
+        # constructed layers together hung once, one in cudnnCreate, the other
+        # allocating its workspace (tests/test_cuda.py, two-thread test).
+        with _BUILD_LOCK:
+            self.handle = create_handle(stream_ptr)
+            bench = _Bench(cuda, spec, stream_ptr, self.handle) if autotune else None
+            self.graphs = {op: graph(op, spec, device, allow_tf32, self.handle, bench) for op in ops}
+            size = max(g.workspace_size for g in self.graphs.values())
+            self._workspace = cuda.device_array(max(size, 1), np.uint8)
         self.plans = {op: g.plan for op, g in self.graphs.items()}
         self.relu_fusion = relu_fusion
-        size = max(g.workspace_size for g in self.graphs.values())
-        self._workspace = cuda.device_array(max(size, 1), np.uint8)
         self.workspace_ptr = device_pointer(self._workspace)
         self._executions = {op: Execution(g, self.handle, self.workspace_ptr) for op, g in self.graphs.items()}
 
