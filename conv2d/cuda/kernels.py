@@ -7,14 +7,15 @@ float32, float16, or uint16 holding bfloat16 bits; all arithmetic is float32.
 
 Reductions are two-phase with a fixed order, so results are bitwise identical run to
 run: phase one gives each block a fixed slice of rows and sums it in a fixed order into
-one partial per (block, group); phase two has one warp per group add those partials in
-a fixed order and a fixed tree. The partition depends only on the shape. The per-value
-passes are "row kernels" (`rows`): one skeleton that gives each thread a fixed channel,
-so per-channel parameters stay in registers, and either sums (statistics, the norm's
-gradient terms), writes y, or writes d_z while summing it for the bias gradient. In a
-row kernel phase two runs in the same launch: the last block to finish (an atomic
-ticket) adds the partials with the same fixed order and tree. Layer norm's per-sample
-sums keep a separate phase-two launch (`partials_final`, `stats_final`).
+one partial per (block, group); phase two adds those partials in a fixed order (and, for
+layer norm's per-sample sums, a fixed tree). The partition depends only on the shape.
+The per-value passes are "row kernels" (`rows`): one skeleton that gives each thread a
+fixed channel, so per-channel parameters stay in registers, and either sums (statistics,
+the norm's gradient terms), writes y, or writes d_z while summing it for the bias
+gradient. In a row kernel phase two runs in the same launch: the last block to finish
+(an atomic ticket) adds the partials, reading them coalesced in its own channel layout.
+Layer norm's per-sample sums keep a separate phase-two launch (`partials_final`,
+`stats_final`).
 
 `kernel_set(storage, activation, norm)` compiles (once) the kernels for one layer kind;
 the storage format, activation and norm are compile-time constants of its closures.
