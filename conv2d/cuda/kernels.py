@@ -328,6 +328,21 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         return a0, a1
 
     @cuda.jit(device=True, inline=True)
+    def channel_sums(s0, s1, t, u0, u1, R, C):
+        # With C < ROW_THREADS, thread t = j * C + c holds the j-th of channel c's R sums
+        # (u0, u1); for t < C, the channel's totals added in order of j. Every thread of
+        # the block calls it together (it synchronises the block).
+        s0[t] = u0
+        s1[t] = u1
+        cuda.syncthreads()
+        t0, t1 = ZERO, ZERO
+        if t < C:
+            for j in range(R):
+                t0 += s0[j * C + t]
+                t1 += s1[j * C + t]
+        return t0, t1
+
+    @cuda.jit(device=True, inline=True)
     def finish(kind, g, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, C, acc0, acc1, accumulate):
         # Phase two's result for channel g from its totals t0, t1.
         if kind == SUM_STATS:
@@ -383,14 +398,8 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
                     out0[p * C + c] = a0
                     out1[p * C + c] = a1
             if kind != WRITE_Y and C < ROW_THREADS:
-                s0[t] = a0
-                s1[t] = a1
-                cuda.syncthreads()
+                t0, t1 = channel_sums(s0, s1, t, a0, a1, R, C)
                 if t < C:
-                    t0, t1 = ZERO, ZERO
-                    for j in range(R):
-                        t0 += s0[j * C + t]
-                        t1 += s1[j * C + t]
                     out0[p * C + t] = t0
                     out1[p * C + t] = t1
             if kind != WRITE_Y:
@@ -410,14 +419,8 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
                         u0, u1 = ZERO, ZERO
                         if t < R * C:
                             u0, u1 = column_sums(out0, out1, t // C, P, R, C, t % C)
-                        s0[t] = u0
-                        s1[t] = u1
-                        cuda.syncthreads()
+                        t0, t1 = channel_sums(s0, s1, t, u0, u1, R, C)
                         if t < C:
-                            t0, t1 = ZERO, ZERO
-                            for j in range(R):
-                                t0 += s0[j * C + t]
-                                t1 += s1[j * C + t]
                             finish(kind, t, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, C,
                                    acc0, acc1, accumulate)
                     else:
