@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from conv2d.cuda.launch import device_pointer
-from conv2d.cuda.runtime import INSTALL_HINT, CudaUnavailableError
+from conv2d.cuda.runtime import INSTALL_HINT, CudaUnavailableError, to_device_bits
+from conv2d.dtypes import storage_dtype
 from conv2d.spec import DType, LayerSpec
 
 
@@ -371,12 +372,8 @@ class _Bench:
         n = int(np.prod(shape))
         found = self._buffers.get((role, n))
         if found is None:
-            v = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
-            if self.spec.dtype is DType.BFLOAT16:
-                v = (v.view(np.uint32) >> 16).astype(np.uint16)
-            elif self.spec.dtype is DType.FLOAT16:
-                v = v.astype(np.float16)
-            found = self._buffers[(role, n)] = self.cuda.to_device(v, stream=self.stream)
+            v = np.random.default_rng(0).standard_normal(n, dtype=np.float32).astype(storage_dtype(s.dtype))
+            found = self._buffers[(role, n)] = self.cuda.to_device(to_device_bits(v), stream=self.stream)
         return found
 
     def __call__(self, tensors: dict, workspace: int, run) -> float:
