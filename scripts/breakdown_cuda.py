@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_shapes import bench_spec, inputs  # noqa: E402
+from probe_cuda import gpu_ms  # noqa: E402
 
 # Values of (M, C) each row pass reads and writes: z, plus d_y, plus y or d_z.
 ROW_TRAFFIC = {"stats": 1, "apply": 2, "grads": 2, "dz": 3}
@@ -85,18 +86,7 @@ def measure(spec, steps: int) -> tuple[dict[str, float], float, int]:
         impl._launches.clear()
 
     graph = layer.capture(x, dy)
-    graph.replay()
-    stream.synchronize()
-    rounds = []
-    for _ in range(5):
-        start, end = cuda.event(), cuda.event()
-        start.record(stream)
-        for _ in range(steps):
-            graph.replay()
-        end.record(stream)
-        end.synchronize()
-        rounds.append(cuda.event_elapsed_time(start, end) / steps)
-    return {k: statistics.median(v) for k, v in per.items()}, statistics.median(rounds), impl.P
+    return {k: statistics.median(v) for k, v in per.items()}, gpu_ms(cuda, stream, graph.replay, steps), impl.P
 
 
 def main() -> None:
