@@ -1,10 +1,11 @@
 """Where the GPU time of one CUDA training step goes: each cuDNN execute and each kernel
 launch of forward(training) + backward_full timed with CUDA events on the layer's
 stream, and the whole step replayed as a CUDA graph; optionally swept over the row
-kernels' launch shape (blocks at most, rows loaded ahead).
+kernels' launch shape (blocks at most, rows loaded ahead, lane groups read with 8-byte
+loads or one channel a thread).
 
     python scripts/breakdown_cuda.py [--shapes resnet_28,rl_small] [--dtypes bfloat16] [--bn 1]
-                                     [--max-blocks 1056,264] [--unroll 4,8] [--steps 20]
+                                     [--max-blocks 1056,264] [--unroll 4,8] [--wide 1,0] [--steps 20]
 
 Row kernels also print the bandwidth they reach: the bytes they must move (z read; d_y
 read by the gradient passes; y or d_z written) over their time. Events between launches
@@ -63,7 +64,10 @@ def measure(spec, steps: int) -> tuple[dict[str, float], float, int]:
 
     def label_launch(self, key, make):
         found = make_launch(self, key, make)
-        found.label = key[0] if isinstance(key, tuple) else key
+        label = key
+        while isinstance(label, tuple):  # ((name, ...), narrow) for row kernels
+            label = label[0]
+        found.label = label
         return found
 
     Launch.__call__ = lambda self: timed(getattr(self, "label", "kernel"), lambda: launch_call(self))
@@ -96,6 +100,7 @@ def main() -> None:
     ap.add_argument("--bn", default="1", help="comma list of 0/1")
     ap.add_argument("--max-blocks", default="", help="comma list of kernels.ROW_MAX_BLOCKS values")
     ap.add_argument("--unroll", default="", help="comma list of kernels.ROW_UNROLL values")
+    ap.add_argument("--wide", default="", help="comma list of kernels.WIDE_ROWS values (1/0)")
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
 
@@ -103,25 +108,26 @@ def main() -> None:
 
     blocks = [int(v) for v in args.max_blocks.split(",") if v] or [K.ROW_MAX_BLOCKS]
     unrolls = [int(v) for v in args.unroll.split(",") if v] or [K.ROW_UNROLL]
-    for unroll in unrolls:
-        for max_blocks in blocks:
-            K.ROW_UNROLL, K.ROW_MAX_BLOCKS = unroll, max_blocks
-            K.kernel_set.cache_clear()  # compiled again with this ROW_UNROLL
-            for shape in args.shapes.split(","):
-                for dtype in args.dtypes.split(","):
-                    for bn in args.bn.split(","):
-                        spec = bench_spec(shape, bn == "1", dtype)
-                        pieces, graph_ms, P = measure(spec, args.steps)
-                        item = 4 if dtype == "float32" else 2
-                        values = int(np.prod(spec.output_shape))
-                        parts = []
-                        for label, ms in pieces.items():
-                            text = f"{label} {1e3 * ms:.1f}"
-                            if label in ROW_TRAFFIC:
-                                text += f" ({ROW_TRAFFIC[label] * values * item / (ms * 1e-3) / 1e12:.2f} TB/s)"
-                            parts.append(text)
-                        print(f"{shape} {dtype} bn={bn} unroll={unroll} blocks={P}: graph {1e3 * graph_ms:.1f} us, "
-                              f"eager pieces {1e3 * sum(pieces.values()):.1f} us = " + ", ".join(parts), flush=True)
+    wides = [v == "1" for v in args.wide.split(",") if v] or [K.WIDE_ROWS]
+    for wide, unroll, max_blocks in [(w, u, b) for w in wides for u in unrolls for b in blocks]:
+        K.WIDE_ROWS, K.ROW_UNROLL, K.ROW_MAX_BLOCKS = wide, unroll, max_blocks
+        K.ROW_BUFFER = unroll * K.MAX_LANES
+        K.kernel_set.cache_clear()  # compiled again with this ROW_UNROLL
+        for shape in args.shapes.split(","):
+            for dtype in args.dtypes.split(","):
+                for bn in args.bn.split(","):
+                    spec = bench_spec(shape, bn == "1", dtype)
+                    pieces, graph_ms, P = measure(spec, args.steps)
+                    item = 4 if dtype == "float32" else 2
+                    values = int(np.prod(spec.output_shape))
+                    parts = []
+                    for label, ms in pieces.items():
+                        text = f"{label} {1e3 * ms:.1f}"
+                        if label in ROW_TRAFFIC:
+                            text += f" ({ROW_TRAFFIC[label] * values * item / (ms * 1e-3) / 1e12:.2f} TB/s)"
+                        parts.append(text)
+                    print(f"{shape} {dtype} bn={bn} wide={int(wide)} unroll={unroll} blocks={P}: graph {1e3 * graph_ms:.1f} us, "
+                          f"eager pieces {1e3 * sum(pieces.values()):.1f} us = " + ", ".join(parts), flush=True)
 
 
 if __name__ == "__main__":

@@ -144,3 +144,29 @@ def test_phase_two_adds_the_partials_of_every_block(monkeypatch, channels, block
         np.testing.assert_allclose(ours.grad_dict()[k], g, rtol=1e-4, atol=atol, err_msg=k)
     for k, v in ref.state_dict().items():
         np.testing.assert_allclose(ours.state_dict()[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_d_y_off_eight_byte_alignment_gives_the_same_bits(dtype):
+    # Row kernels read lane groups with 8-byte loads; a d_y one value off that alignment
+    # is read one value at a time, by the same sums in the same order.
+    from conv2d.cuda.runtime import to_device_bits
+
+    spec = LayerSpec(batch_size=2, in_height=4, in_width=3, in_channels=2, out_channels=8, kernel=3, padding=1,
+                     activation="tanh", normalization="batch_norm", dtype=dtype)
+    x, dy = random_inputs(spec)
+    bits = to_device_bits(dy).reshape(-1)
+    padded = cuda.to_device(np.concatenate([bits[:1], bits]))
+    offset = padded[1:].reshape(spec.output_shape)
+    aligned = cuda.to_device(bits).reshape(spec.output_shape)
+    results = []
+    for d_y in (aligned, offset):
+        layer = cuda_layer(spec)
+        assert layer._impl.lanes > 1
+        layer.forward(x)
+        results.append((as_numpy(layer.backward_full(x, d_y)), layer.grad_dict()))
+        narrow = [key[1] for key in layer._impl._launches if isinstance(key, tuple) and key[0][0] in ("grads", "dz")]
+        assert narrow and all(narrow) == (d_y is offset)
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    for k, g in results[0][1].items():
+        np.testing.assert_array_equal(results[1][1][k], g, err_msg=k)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from conv2d.cuda import cudnn, kernels as K
-from conv2d.cuda.launch import Launch
+from conv2d.cuda.launch import Launch, device_pointer
 from conv2d.cuda.memory import OutputAllocator
 from conv2d.cuda.runtime import (as_stream, device_dtype, device_input, from_device_bits, numba_cuda,
                                  require_gpu, stream_handle, to_device_bits)
@@ -49,7 +49,13 @@ class CudaBackend:
             convolutions = cudnn.Convolutions(cuda, spec, stream_handle(self.stream), cuda.get_current_device().id,
                                               allow_tf32, self.relu_fusion, autotune)
         self.conv = convolutions
-        self.k = K.kernel_set(spec.dtype.value, spec.activation, spec.normalization)
+        # Row-kernel threads keep `lanes` channels read with one 8-byte load; d_y that is
+        # not 8-byte aligned (a caller's offset view) is read one value at a time by the
+        # same sums in the same order (`_narrow`), so results do not depend on it.
+        self.lanes = K.lanes_for(spec.dtype.value, spec.out_channels) if K.WIDE_ROWS else 1
+        kinds = (spec.dtype.value, spec.activation, spec.normalization, self.lanes)
+        self.k = K.kernel_set(*kinds, self.lanes > 1)
+        self._narrow = K.kernel_set(*kinds, False) if self.lanes > 1 else self.k
         self.dev_dt = device_dtype(spec.dtype)
         self.st = storage_dtype(spec.dtype)
 
@@ -164,10 +170,15 @@ class CudaBackend:
             found = self._launches[key] = Launch(kernel, grid, block, self.stream, args)
         return found
 
+    def _aligned(self, a: Any) -> bool:
+        """Whether a row kernel may read `a` with 8-byte loads."""
+        return self.lanes == 1 or device_pointer(a) % 8 == 0
+
     def _rows(self, key: Any, kind: int, z, d_y=None, out=None, stats=None, sums=None, batch_stats: bool = False,
-              count: float = 1.0, acc=(None, None), accumulate: bool = False) -> Launch:
+              count: float = 1.0, acc=(None, None), accumulate: bool = False, narrow: bool = False) -> Launch:
         """A row kernel (kernels.rows) over the (M, C) values, its partials in self._col
-        and phase two folded in (`acc`: the arrays it accumulates into)."""
+        and phase two folded in (`acc`: the arrays it accumulates into); `narrow`: one
+        load a value (for inputs that are not 8-byte aligned)."""
         def make():
             d = self._dummy
             gamma, beta = self._gamma_beta()
@@ -177,8 +188,8 @@ class CudaBackend:
                     d if sums is None else sums, batch_stats, np.float32(count), np.float32(s.bn_epsilon),
                     np.float32(s.bn_momentum), self.M, self.C, self.S, *self._col, counter,
                     *(d if a is None else a for a in acc), accumulate)
-            return self.k.rows[kind], self.P, K.ROW_THREADS, args
-        return self._launch(key, make)
+            return (self._narrow if narrow else self.k).rows[kind], self.P, K.ROW_THREADS, args
+        return self._launch((key, narrow), make)
 
     def _gamma_beta(self):
         if self.spec.normalization is Normalization.NONE:
@@ -255,7 +266,8 @@ class CudaBackend:
             # Per channel: sum d_a and sum d_a * x_hat, the beta and gamma gradients, and
             # for batch norm with batch statistics also what its backward needs.
             grads = self._rows(("grads", param_grads), K.SUM_GRADS, self._pre, self._d_z, stats=stats,
-                               sums=self._sums_col, acc=(g["beta"], g["gamma"]), accumulate=param_grads)
+                               sums=self._sums_col, acc=(g["beta"], g["gamma"]), accumulate=param_grads,
+                               narrow=not self._aligned(d_y))
             grads.set(1, d_y)
             grads()
             if norm is Normalization.LAYER_NORM:
@@ -274,7 +286,8 @@ class CudaBackend:
         # d_z through the activation and the norm, and in the same pass its per-channel
         # sums: the bias gradient.
         dz = self._rows(("dz", self._batch_stats, param_grads), K.WRITE_DZ, self._pre, self._pre, self._d_z, stats,
-                        sums, self._batch_stats, count, acc=(g["bias"], None), accumulate=param_grads)
+                        sums, self._batch_stats, count, acc=(g["bias"], None), accumulate=param_grads,
+                        narrow=not self._aligned(d_y))
         dz.set(1, d_y)
         dz()
         d_x = None

@@ -50,6 +50,11 @@ ROW_MAX_BLOCKS = 132 * 4
 ROW_MIN_VALUES = 16
 ROW_UNROLL = 4
 PHASE_TWO_UNROLL = 4
+WIDE_ROWS = True  # row kernels read lane groups with 8-byte loads (lanes_for)
+MAX_LANES = 4  # channels a row-kernel thread keeps at most (8 bytes of 16-bit values)
+# numba sizes local and shared arrays only by plain module constants, not expressions.
+ROW_BUFFER = ROW_UNROLL * MAX_LANES
+ROW_SHARED = ROW_THREADS * MAX_LANES
 SEG_THREADS = 256
 SEG_MAX_PARTIALS = 64
 WARP = 32
@@ -87,6 +92,19 @@ if simulating():
             return np.uint16(0x7FC0)
         u = int(np.array([v], dtype=np.float32).view(np.uint32)[0])
         return np.uint16(((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF)
+
+    @cuda.jit(device=True)
+    def load_u64(a, j):
+        item = a.dtype.itemsize
+        return np.ascontiguousarray(a[j * (8 // item):(j + 1) * (8 // item)]).view(np.uint64)[0]
+
+    @cuda.jit(device=True)
+    def f16_bits_to_f32(bits):
+        return np.float32(np.array([bits], dtype=np.uint16).view(np.float16)[0])
+
+    @cuda.jit(device=True)
+    def f32_from_bits(bits):
+        return np.array([bits], dtype=np.uint32).view(np.float32)[0]
 else:
     from llvmlite import ir
     from numba.core import types as nb_types
@@ -103,6 +121,35 @@ else:
             return builder.call(ir.InlineAsm(fn, "cvt.rn.bf16.f32 $0, $1;", "=h,f"), args)
         return nb_types.uint16(nb_types.float32), codegen
 
+    @intrinsic
+    def load_u64(typingctx, a, j):
+        # The 8 bytes at byte offset 8 * j of array a's data, one load instruction (the
+        # caller keeps j in range and the data 8-byte aligned).
+        if not isinstance(a, nb_types.Array) or not isinstance(j, nb_types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
+            index = context.cast(builder, args[1], signature.args[1], nb_types.intp)
+            ptr = builder.gep(builder.bitcast(data, ir.IntType(64).as_pointer()), [index])
+            return builder.load(ptr, align=8)
+        return nb_types.uint64(a, j), codegen
+
+    @intrinsic
+    def _f16_bits_to_f32(typingctx, bits):
+        def codegen(context, builder, signature, args):
+            h = builder.bitcast(builder.trunc(args[0], ir.IntType(16)), ir.HalfType())
+            return builder.fpext(h, ir.FloatType())
+        return nb_types.float32(bits), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def f16_bits_to_f32(bits):
+        return _f16_bits_to_f32(np.uint32(bits))
+
+    @cuda.jit(device=True, inline=True)
+    def f32_from_bits(bits):
+        return libdevice.int_as_float(np.int32(bits))
+
     @cuda.jit(device=True, inline=True)
     def bf16_to_f32(bits):
         return libdevice.int_as_float(np.int32(bits) << np.int32(16))
@@ -116,8 +163,9 @@ else:
 
 
 def _io(storage: str):
-    """(load, store, stored) device functions for a storage format: float32 values in and
-    out; `stored(a, i, v)` stores v and returns the value as stored, back in float32."""
+    """(load, store, stored, part) device functions for a storage format: float32 values
+    in and out; `stored(a, i, v)` stores v and returns the value as stored, back in
+    float32; `part(raw, v)` is value v of 8 raw bytes (`load_u64`) as float32."""
     if storage == "bfloat16":
         @cuda.jit(device=True, inline=True)
         def load(a, i):
@@ -132,6 +180,10 @@ def _io(storage: str):
             bits = f32_to_bf16(v)
             a[i] = bits
             return bf16_to_f32(bits)
+
+        @cuda.jit(device=True, inline=True)
+        def part(raw, v):
+            return bf16_to_f32(np.uint32((raw >> np.uint64(16 * v)) & np.uint64(0xFFFF)))
     elif storage == "float16":
         @cuda.jit(device=True, inline=True)
         def load(a, i):
@@ -146,6 +198,10 @@ def _io(storage: str):
             h = np.float16(v)
             a[i] = h
             return f32(h)
+
+        @cuda.jit(device=True, inline=True)
+        def part(raw, v):
+            return f16_bits_to_f32(np.uint32((raw >> np.uint64(16 * v)) & np.uint64(0xFFFF)))
     else:
         @cuda.jit(device=True, inline=True)
         def load(a, i):
@@ -159,7 +215,18 @@ def _io(storage: str):
         def stored(a, i, v):
             a[i] = f32(v)
             return f32(v)
-    return load, store, stored
+
+        @cuda.jit(device=True, inline=True)
+        def part(raw, v):
+            return f32_from_bits(np.uint32((raw >> np.uint64(32 * v)) & np.uint64(0xFFFFFFFF)))
+    return load, store, stored, part
+
+
+def lanes_for(storage: str, C: int) -> int:
+    """Channels a row-kernel thread keeps: as many as fill 8 bytes of its storage format
+    where C divides into them, else one. Depends on the shape and dtype alone."""
+    lanes = 8 // np.dtype(np.float32 if storage == "float32" else np.uint16).itemsize
+    return lanes if C % lanes == 0 else 1
 
 
 # The activation table (conv2d/activations.py), one scalar at a time in float32.
@@ -226,8 +293,37 @@ class KernelSet:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_set(storage: str, activation: Activation, normalization: Normalization) -> KernelSet:
-    load, store, stored = _io(storage)
+def kernel_set(storage: str, activation: Activation, normalization: Normalization, lanes: int = 1,
+               wide: bool = False) -> KernelSet:
+    """The kernels of one layer kind. Row-kernel threads keep `lanes` consecutive channels
+    (1, or `lanes_for`); with `wide` they read them with one 8-byte load (the arrays they
+    read must then be 8-byte aligned), without it one load a value: the same sums in the
+    same order, so the two give bitwise identical results."""
+    load, store, stored, part = _io(storage)
+    LANES = lanes
+    if wide:
+        if lanes * (4 if storage == "float32" else 2) != 8:
+            raise ValueError(f"wide loads need 8 bytes of channels, got lanes={lanes} of {storage}")
+        BUF_T = np.uint64
+
+        @cuda.jit(device=True, inline=True)
+        def fetch(a, i, buf, k):
+            buf[k] = load_u64(a, i // LANES)
+
+        @cuda.jit(device=True, inline=True)
+        def value(buf, k, v):
+            return part(buf[k], v)
+    else:
+        BUF_T = np.float32
+
+        @cuda.jit(device=True, inline=True)
+        def fetch(a, i, buf, k):
+            for v in range(LANES):
+                buf[k * LANES + v] = load(a, i + v)
+
+        @cuda.jit(device=True, inline=True)
+        def value(buf, k, v):
+            return buf[k * LANES + v]
     act_f, act_d = _activation(activation)
     mode = NORM_MODE[normalization]
 
@@ -281,30 +377,37 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         return stored(out, i, v), ZERO
 
     @cuda.jit(device=True, inline=True)
-    def row_run(kind, z, d_y, out, c, r, end, step, C, S, mean, inv_std, gamma, beta, sums, batch_stats, count):
-        # Rows r, r + step, ... < end of channel c, summed in that order. Each turn loads
-        # ROW_UNROLL rows first, so that many loads are in flight, then computes them in
-        # order (one copy of the per-value code keeps numba's compile time short).
-        zs = cuda.local.array(ROW_UNROLL, dtype=np.float32)
-        gs = cuda.local.array(ROW_UNROLL, dtype=np.float32)
-        shift = load(z, c) if kind == SUM_STATS else ZERO
-        a0, a1 = ZERO, ZERO
+    def row_run(kind, z, d_y, out, c0, r, end, step, C, S, mean, inv_std, gamma, beta, sums, batch_stats, count,
+                acc0, acc1, shift):
+        # Rows r, r + step, ... < end of channels c0 .. c0 + LANES - 1, summed in that
+        # order into acc0/acc1. Each turn loads ROW_UNROLL rows first, so that many loads
+        # are in flight, then computes them in order (one copy of the per-value code
+        # keeps numba's compile time short).
+        # Sized by module constants (numba needs them); a variant uses what it needs.
+        zs = cuda.local.array(ROW_BUFFER, dtype=BUF_T)
+        gs = cuda.local.array(ROW_BUFFER, dtype=BUF_T)
+        for v in range(LANES):
+            acc0[v] = ZERO
+            acc1[v] = ZERO
+            shift[v] = load(z, c0 + v) if kind == SUM_STATS else ZERO
         while r < end:
             for k in range(ROW_UNROLL):
                 rk = r + k * step
                 if rk < end:
-                    zs[k] = load(z, rk * C + c)
+                    fetch(z, rk * C + c0, zs, k)
                     if kind == SUM_GRADS or kind == WRITE_DZ:
-                        gs[k] = load(d_y, rk * C + c)
+                        fetch(d_y, rk * C + c0, gs, k)
             for k in range(ROW_UNROLL):
                 rk = r + k * step
                 if rk < end:
-                    u0, u1 = row_terms(kind, zs[k], gs[k], out, rk * C + c, c, row_group(rk, c, C, S), shift,
-                                       mean, inv_std, gamma, beta, sums, batch_stats, count)
-                    a0 += u0
-                    a1 += u1
+                    for v in range(LANES):
+                        c = c0 + v
+                        gi = value(gs, k, v) if kind == SUM_GRADS or kind == WRITE_DZ else ZERO
+                        u0, u1 = row_terms(kind, value(zs, k, v), gi, out, rk * C + c, c, row_group(rk, c, C, S),
+                                           shift[v], mean, inv_std, gamma, beta, sums, batch_stats, count)
+                        acc0[v] += u0
+                        acc1[v] += u1
             r += ROW_UNROLL * step
-        return a0, a1
 
     @cuda.jit(device=True, inline=True)
     def column_sums(p0, p1, j, P, R, C, c):
@@ -369,39 +472,57 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         def rows(z, d_y, out, mean, inv_std, gamma, beta, sums, batch_stats, count, epsilon, momentum, M, C, S,
                  out0, out1, counter, acc0, acc1, accumulate):
             """One pass over the (M, C) values: grid P blocks of ROW_THREADS, block p takes
-            the rows [p*ceil(M/P), (p+1)*ceil(M/P)). With C < ROW_THREADS a thread keeps one
-            channel (t % C) and takes every R-th row (R = ROW_THREADS // C), so a block
-            reads consecutive values; otherwise a thread takes channels t, t+ROW_THREADS, ...
+            the rows [p*ceil(M/P), (p+1)*ceil(M/P)). A thread keeps a lane group of LANES
+            consecutive channels; with CG = C / LANES groups < ROW_THREADS thread t keeps
+            group t % CG and takes every R-th row (R = ROW_THREADS // CG), so a block reads
+            consecutive values; otherwise a thread takes groups t, t+ROW_THREADS, ...
             Summing kinds write one partial per block and channel to out0/out1 (P, C); the
             last block to finish (counted in counter[0], which it resets) adds them up in
             a fixed order and finishes (`finish`): phase two without another launch."""
-            s0 = cuda.shared.array(ROW_THREADS, dtype=np.float32)
-            s1 = cuda.shared.array(ROW_THREADS, dtype=np.float32)
+            s0 = cuda.shared.array(ROW_SHARED, dtype=np.float32)
+            s1 = cuda.shared.array(ROW_SHARED, dtype=np.float32)
+            run0 = cuda.local.array(MAX_LANES, dtype=np.float32)
+            run1 = cuda.local.array(MAX_LANES, dtype=np.float32)
+            shift = cuda.local.array(MAX_LANES, dtype=np.float32)
             t = cuda.threadIdx.x
             p = cuda.blockIdx.x
             per = -(-M // cuda.gridDim.x)
             start = p * per
             end = min(M, start + per)
+            # A thread keeps LANES consecutive channels (a lane group); CG groups a row.
             # One call site of row_run for both layouts: each copy of the inlined
             # per-value code costs numba seconds of compile time.
-            R = ROW_THREADS // C if C < ROW_THREADS else 1
-            if C < ROW_THREADS:
-                c_first, r_first, step = t % C, start + t // C, R
-                c_end = c_first + 1 if t < R * C else c_first
+            CG = C // LANES
+            R = ROW_THREADS // CG if CG < ROW_THREADS else 1
+            if CG < ROW_THREADS:
+                g_first, r_first, step = t % CG, start + t // CG, R
+                g_end = g_first + 1 if t < R * CG else g_first
             else:
-                c_first, r_first, step, c_end = t, start, 1, C
-            a0, a1 = ZERO, ZERO
-            for c in range(c_first, c_end, ROW_THREADS):
-                a0, a1 = row_run(kind, z, d_y, out, c, r_first, end, step, C, S, mean, inv_std, gamma, beta, sums,
-                                 batch_stats, count)
-                if kind != WRITE_Y and C >= ROW_THREADS:
-                    out0[p * C + c] = a0
-                    out1[p * C + c] = a1
-            if kind != WRITE_Y and C < ROW_THREADS:
-                t0, t1 = channel_sums(s0, s1, t, a0, a1, R, C)
-                if t < C:
-                    out0[p * C + t] = t0
-                    out1[p * C + t] = t1
+                g_first, r_first, step, g_end = t, start, 1, CG
+            for v in range(LANES):
+                run0[v] = ZERO
+                run1[v] = ZERO
+            for g in range(g_first, g_end, ROW_THREADS):
+                row_run(kind, z, d_y, out, g * LANES, r_first, end, step, C, S, mean, inv_std, gamma, beta, sums,
+                        batch_stats, count, run0, run1, shift)
+                if kind != WRITE_Y and CG >= ROW_THREADS:
+                    for v in range(LANES):
+                        out0[p * C + g * LANES + v] = run0[v]
+                        out1[p * C + g * LANES + v] = run1[v]
+            if kind != WRITE_Y and CG < ROW_THREADS:
+                for v in range(LANES):
+                    s0[t * LANES + v] = run0[v]
+                    s1[t * LANES + v] = run1[v]
+                cuda.syncthreads()
+                # Thread j * CG + g kept group g of rows j, j + R, ...: channel c's R sums
+                # are added in that order.
+                for c in range(t, C, ROW_THREADS):
+                    t0, t1 = ZERO, ZERO
+                    for j in range(R):
+                        t0 += s0[(j * CG + c // LANES) * LANES + c % LANES]
+                        t1 += s1[(j * CG + c // LANES) * LANES + c % LANES]
+                    out0[p * C + c] = t0
+                    out1[p * C + c] = t1
             if kind != WRITE_Y:
                 last = cuda.shared.array(1, dtype=np.int32)
                 cuda.threadfence()  # this block's partials before its ticket
@@ -416,10 +537,11 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
                     # adds all P partials of its channels.
                     P = cuda.gridDim.x
                     if C < ROW_THREADS:
+                        R2 = ROW_THREADS // C
                         u0, u1 = ZERO, ZERO
-                        if t < R * C:
-                            u0, u1 = column_sums(out0, out1, t // C, P, R, C, t % C)
-                        t0, t1 = channel_sums(s0, s1, t, u0, u1, R, C)
+                        if t < R2 * C:
+                            u0, u1 = column_sums(out0, out1, t // C, P, R2, C, t % C)
+                        t0, t1 = channel_sums(s0, s1, t, u0, u1, R2, C)
                         if t < C:
                             finish(kind, t, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, C,
                                    acc0, acc1, accumulate)

@@ -23,8 +23,12 @@ from conv2d.cuda.runtime import simulating
 
 
 def device_pointer(a: Any) -> int:
-    """The device address of a numba device array."""
-    return int(a.device_ctypes_pointer.value or 0)
+    """The device address of a numba device array (in numba's simulator, the address of
+    the host memory its array wraps)."""
+    ptr = getattr(a, "device_ctypes_pointer", None)
+    if ptr is None:
+        return int(a.ctypes.data)
+    return int(ptr.value or 0)
 
 
 class LaunchError(RuntimeError):
