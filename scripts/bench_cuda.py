@@ -7,15 +7,16 @@ as a CUDA graph on both sides, plus a batch sweep of rl_small.
 
 PyTorch runs nn.Conv2d (+ nn.BatchNorm2d) + nn.ReLU in channels_last with
 cudnn.deterministic = True and TF32 off, as ours. Each side runs with cuDNN's heuristic
-plan choice (ours by default, PyTorch's cudnn.benchmark = False), and, as CUDA graphs,
-once more with plans autotuned among the deterministic ones (ours `autotune=True`,
-PyTorch's cudnn.benchmark = True). GPU time: CUDA events around `iters` steps on each
-side's stream; wall time: perf_counter around the same steps and a final synchronize;
-each the median of 5 such blocks after a warm-up, per step. The roofline
-time of a step is the larger of its FLOPs (three convolutions) at the GPU's peak (790
-TFLOP/s bf16/f16 measured on this H200; 67 TFLOP/s fp32, NVIDIA's figure for non-tensor
-fp32) and its unavoidable bytes at 4.3 TB/s: x read twice and d_x written, y and the
-pre-activations written, the pre-activations and d_y read (itemsize x (3|x| + 4|y|)).
+plan choice (ours by default, PyTorch's cudnn.benchmark = False), and once more, eager
+and as CUDA graphs, with plans autotuned among the deterministic ones (ours
+`autotune=True`, PyTorch's cudnn.benchmark = True): a second table. GPU time: CUDA
+events around `iters` steps on each side's stream; wall time: perf_counter around the
+same steps and a final synchronize; each the median of 5 such blocks after a warm-up,
+per step. The roofline time of a step is the larger of its FLOPs (three convolutions) at
+the GPU's peak (790 TFLOP/s bf16/f16 measured on this H200; 67 TFLOP/s fp32, NVIDIA's
+figure for non-tensor fp32) and its unavoidable bytes at 4.3 TB/s: x read twice and d_x
+written, y and the pre-activations written, the pre-activations and d_y read (itemsize x
+(3|x| + 4|y|)).
 With --out, writes bench_cuda.md, bench_cuda.json and bench_cuda.png there.
 """
 
@@ -141,33 +142,42 @@ def main() -> None:
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    rows = []
+    rows, tuned_lines = [], []
     lines = [f"# conv2d CUDA backend vs PyTorch {torch.__version__} on {torch.cuda.get_device_name()}: "
              f"training step (forward + backward_full), median ms per step", "",
+             "## cuDNN's heuristic plans (ours by default; PyTorch cudnn.benchmark = False)", "",
              "| shape | norm | dtype | ours eager wall | torch eager wall | ratio | ours eager GPU | torch eager GPU "
-             "| ratio | ours graph GPU | torch graph GPU | ratio | ours tuned graph GPU | torch tuned graph GPU | ratio "
-             "| roofline | ours best graph % of roofline |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-             "| ---: | ---: |"]
+             "| ratio | ours graph GPU | torch graph GPU | ratio | roofline | ours best graph % of roofline |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    tuned_head = ["", "## Plans autotuned among the deterministic ones (ours autotune=True; PyTorch "
+                  "cudnn.benchmark = True)", "",
+                  "| shape | norm | dtype | ours eager wall | torch eager wall | ratio | ours graph GPU "
+                  "| torch graph GPU | ratio |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     print("\n".join(lines), flush=True)
     for name, bn, spec, x, dy in cases(args.shapes, args.dtypes):
         o, t = ours(spec, x, dy, args.iters), pytorch(spec, x, dy, args.iters)
-        o["tuned_graph"] = ours(spec, x, dy, args.iters, eager=False, autotune=True)["graph"]
-        t["tuned_graph"] = pytorch(spec, x, dy, args.iters, eager=False, benchmark=True)["graph"]
+        o_tuned = ours(spec, x, dy, args.iters, autotune=True)
+        t_tuned = pytorch(spec, x, dy, args.iters, benchmark=True)
+        o["tuned_eager"], o["tuned_graph"] = o_tuned["eager"], o_tuned["graph"]
+        t["tuned_eager"], t["tuned_graph"] = t_tuned["eager"], t_tuned["graph"]
         roof = roofline_ms(spec)
         best = min(o["graph"][0], o["tuned_graph"][0])
         row = {"shape": name, "batch_norm": bn, "dtype": spec.dtype.value, "roofline_ms": roof,
                **{f"ours_{k}_{w}_ms": v[i] for k, v in o.items() for i, w in enumerate(("gpu", "wall"))},
                **{f"torch_{k}_{w}_ms": v[i] for k, v in t.items() for i, w in enumerate(("gpu", "wall"))}}
         rows.append(row)
-        line = (f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} "
-                f"| {o['eager'][1]:.3f} | {t['eager'][1]:.3f} | {o['eager'][1] / t['eager'][1]:.2f} "
+        case = f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} "
+        line = (case + f"| {o['eager'][1]:.3f} | {t['eager'][1]:.3f} | {o['eager'][1] / t['eager'][1]:.2f} "
                 f"| {o['eager'][0]:.3f} | {t['eager'][0]:.3f} | {o['eager'][0] / t['eager'][0]:.2f} "
                 f"| {o['graph'][0]:.3f} | {t['graph'][0]:.3f} | {o['graph'][0] / t['graph'][0]:.2f} "
-                f"| {o['tuned_graph'][0]:.3f} | {t['tuned_graph'][0]:.3f} "
-                f"| {o['tuned_graph'][0] / t['tuned_graph'][0]:.2f} | {roof:.4f} | {100 * roof / best:.1f} |")
+                f"| {roof:.4f} | {100 * roof / best:.1f} |")
+        tuned = (case + f"| {o['tuned_eager'][1]:.3f} | {t['tuned_eager'][1]:.3f} "
+                 f"| {o['tuned_eager'][1] / t['tuned_eager'][1]:.2f} | {o['tuned_graph'][0]:.3f} "
+                 f"| {t['tuned_graph'][0]:.3f} | {o['tuned_graph'][0] / t['tuned_graph'][0]:.2f} |")
         lines.append(line)
-        print(line, flush=True)
+        tuned_lines.append(tuned)
+        print(line, "\n" + tuned, flush=True)
+    lines += tuned_head + tuned_lines
     sweep = []
     if args.sweep:
         head = ["", "## Batch sweep: rl_small, bfloat16, batch norm, CUDA-graph GPU ms per step", "",
