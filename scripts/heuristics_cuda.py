@@ -29,6 +29,8 @@ def main() -> None:
     from conv2d import Conv2d
     from conv2d.cuda import cudnn
 
+    chosen = dict(cudnn.HEUR_MODES)
+
     print("| shape | dtype | mode | graph GPU ms | build s | forward | backward_data | backward_filter |")
     print("| --- | --- | --- | ---: | ---: | --- | --- | --- |")
     for name in args.shapes.split(","):
@@ -36,7 +38,7 @@ def main() -> None:
             spec = bench_spec(name, True, dtype)
             x, dy = inputs(spec)
             for mode in args.modes.split(","):
-                cudnn.HEUR_MODES = (mode, "FALLBACK")
+                cudnn.HEUR_MODES = {**cudnn.HEUR_MODES, spec.dtype: (mode, "FALLBACK")}
                 cudnn._CACHE.clear()  # built again under this mode
                 t = time.perf_counter()
                 plans = Conv2d(spec, "cuda")._impl.conv.plans
@@ -44,6 +46,8 @@ def main() -> None:
                 ms = ours(spec, x, dy, args.iters, eager=False)["graph"][0]
                 print(f"| {name} | {dtype} | {mode} | {ms:.3f} | {build:.2f} | {plans['forward']} "
                       f"| {plans['backward_data']} | {plans['backward_filter']} |", flush=True)
+            cudnn.HEUR_MODES = chosen
+            cudnn._CACHE.clear()
 
 
 if __name__ == "__main__":

@@ -36,12 +36,13 @@ class CudnnError(RuntimeError):
 
 
 _IMPORT_LOCK = threading.Lock()
-# cuDNN's engine heuristics, asked in this order (heur_mode names); a plan is a pure
-# function of the graph, the device and these, so the choice is reproducible. Mode B
-# (slower to ask, once per layer kind) over A: on the H200 its plans made the float32
-# rl_small / rl_dqn_l1 steps 1.6x / 1.4x faster and changed the others by at most 4%
-# (scripts/heuristics_cuda.py).
-HEUR_MODES = ("B", "FALLBACK")
+# cuDNN's engine heuristics by storage dtype, asked in this order (heur_mode names); a
+# plan is a pure function of the graph, the device and these, so the choice is
+# reproducible. Measured on the H200 (scripts/heuristics_cuda.py, docs/heuristics_cuda.md):
+# for float32, mode B's plans made the rl_small / rl_dqn_l1 steps 1.6x / 1.4x faster than
+# mode A's and left the ResNet shapes unchanged; for bfloat16, B was 4-8% slower on
+# tiny_latency and rl_dqn_l1 and equal elsewhere, so 16-bit layers keep A.
+HEUR_MODES = {DType.FLOAT32: ("B", "FALLBACK"), DType.BFLOAT16: ("A", "FALLBACK"), DType.FLOAT16: ("A", "FALLBACK")}
 _cudnn = None
 
 
@@ -223,7 +224,7 @@ def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autotune: An
             raise ValueError(f"unknown cuDNN graph {op!r}")
         g.validate()
         g.build_operation_graph()
-        g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in HEUR_MODES])
+        g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in HEUR_MODES[spec.dtype]])
         notes = [cudnn.numerical_note.NONDETERMINISTIC]
         if spec.dtype is DType.FLOAT32 and not allow_tf32:
             notes += [cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS]
