@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The test suite in N pytest processes at once (default: one per CPU core), each over a
+# contiguous slice of the collected test ids. On the GPU machine they share its one GPU:
+# most of the suite's time there is numba compiling kernel variants, one CPU core a
+# process, so slices finish in a fraction of one process's ~10 minutes.
+#
+#     bash scripts/gpu_tests.sh [N] [pytest options...]
+#
+# Python: $PYTHON (default python3). Logs go to $LOGS (default: a new temporary
+# directory). Prints each slice's summary and the totals; exits non-zero when any slice
+# fails or nothing was collected.
+set -uo pipefail
+n=${1:-$(nproc)}
+shift || true
+logs=${LOGS:-$(mktemp -d)}
+mkdir -p "$logs"
+"${PYTHON:-python3}" -m pytest --collect-only -q -p no:cacheprovider "$@" tests | grep '::' > "$logs/ids"
+total=$(wc -l < "$logs/ids")
+if [ "$total" -eq 0 ]; then
+  echo "gpu_tests: no tests collected" >&2
+  exit 1
+fi
+[ "$n" -gt "$total" ] && n=$total
+split -n "l/$n" -d -a 3 "$logs/ids" "$logs/slice."
+start=$(date +%s)
+for f in "$logs"/slice.???; do
+  (
+    mapfile -t ids < "$f"
+    "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider "$@" "${ids[@]}" > "$f.log" 2>&1
+    echo $? > "$f.rc"
+  ) &
+done
+wait
+status=0
+for f in "$logs"/slice.???; do
+  rc=$(cat "$f.rc" 2>/dev/null || echo missing)
+  echo "$(basename "$f") rc=$rc: $(tail -n 1 "$f.log")"
+  [ "$rc" = 0 ] || status=1
+done
+sum() { grep -ohE "[0-9]+ $1" "$logs"/slice.???.log | awk '{s += $1} END {print s + 0}'; }
+echo "gpu_tests: $total collected in $n slices, $(sum passed) passed, $(sum failed) failed," \
+     "$(sum skipped) skipped, $(sum error) errors in $(( $(date +%s) - start )) s (logs: $logs)"
+exit $status
