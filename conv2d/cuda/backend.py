@@ -262,12 +262,12 @@ class CudaBackend:
             raise RuntimeError("backward: no forward pass to differentiate; call forward(x) first")
         stats = self._stats if norm is not Normalization.NONE else None
         sums, count = None, 1.0
+        narrow = not self._aligned(d_y)
         if norm is not Normalization.NONE:
             # Per channel: sum d_a and sum d_a * x_hat, the beta and gamma gradients, and
             # for batch norm with batch statistics also what its backward needs.
             grads = self._rows(("grads", param_grads), K.SUM_GRADS, self._pre, self._d_z, stats=stats,
-                               sums=self._sums_col, acc=(g["beta"], g["gamma"]), accumulate=param_grads,
-                               narrow=not self._aligned(d_y))
+                               sums=self._sums_col, acc=(g["beta"], g["gamma"]), accumulate=param_grads, narrow=narrow)
             grads.set(1, d_y)
             grads()
             if norm is Normalization.LAYER_NORM:
@@ -286,8 +286,7 @@ class CudaBackend:
         # d_z through the activation and the norm, and in the same pass its per-channel
         # sums: the bias gradient.
         dz = self._rows(("dz", self._batch_stats, param_grads), K.WRITE_DZ, self._pre, self._pre, self._d_z, stats,
-                        sums, self._batch_stats, count, acc=(g["bias"], None), accumulate=param_grads,
-                        narrow=not self._aligned(d_y))
+                        sums, self._batch_stats, count, acc=(g["bias"], None), accumulate=param_grads, narrow=narrow)
         dz.set(1, d_y)
         dz()
         d_x = None

@@ -260,10 +260,10 @@ AUTOTUNE_MAX_WORKSPACE = 1 << 30
 
 def _autotune(cudnn: Any, g: Any, tensors: dict, bench: Any) -> int | None:
     """Build every plan, time each on random data (`bench(tensors, workspace, run)`
-    returns ms),
-    pin the fastest; plans within 2% of it count as equal and the heuristic's earlier
-    rank wins, so that noise changes the choice less often. Returns the index, or None
-    where no plan could be timed (the caller builds the heuristic's choice)."""
+    returns ms) and pin the fastest; plans within 2% of it count as equal and the
+    heuristic's earlier rank wins, so that noise changes the choice less often. Returns
+    the index, or None where no plan could be timed (the caller builds the heuristic's
+    choice)."""
     g.build_plans(cudnn.build_plan_policy.ALL)
     timed = []
     for i in range(g.get_execution_plan_count()):

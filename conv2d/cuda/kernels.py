@@ -10,15 +10,17 @@ run: phase one gives each block a fixed slice of rows and sums it in a fixed ord
 one partial per (block, group); phase two adds those partials in a fixed order (and, for
 layer norm's per-sample sums, a fixed tree). The partition depends only on the shape.
 The per-value passes are "row kernels" (`rows`): one skeleton that gives each thread a
-fixed channel, so per-channel parameters stay in registers, and either sums (statistics,
-the norm's gradient terms), writes y, or writes d_z while summing it for the bias
-gradient. In a row kernel phase two runs in the same launch: the last block to finish
-(an atomic ticket) adds the partials, reading them coalesced in its own channel layout.
-Layer norm's per-sample sums keep a separate phase-two launch (`partials_final`,
-`stats_final`).
+fixed lane group of channels (`lanes_for`: 8 bytes of them, read with one load where the
+data is 8-byte aligned) and either sums (statistics, the norm's gradient terms), writes
+y, or writes d_z while summing it for the bias gradient; the channels' norm parameters
+are read from memory per value. In a row kernel phase two runs in the same launch: the
+last block to finish (an atomic ticket) adds the partials, reading them coalesced in its
+own channel layout. Layer norm's per-sample sums keep a separate phase-two launch
+(`partials_final`, `stats_final`).
 
-`kernel_set(storage, activation, norm)` compiles (once) the kernels for one layer kind;
-the storage format, activation and norm are compile-time constants of its closures.
+`kernel_set(storage, activation, norm, lanes, wide)` compiles (once) the kernels for one
+layer kind; the storage format, activation, norm and lane layout are compile-time
+constants of its closures.
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ f32 = np.float32
 
 # Launch shapes. Row kernels: blocks of ROW_THREADS threads, each block a fixed slice of
 # rows; at most ROW_MAX_BLOCKS blocks, at least ROW_MIN_VALUES values per thread. Four
-# blocks per SM of an H100/H200 (132 SMs): the row kernels hold up to 64 registers a
-# thread, so four blocks of 256 are what stays resident, and phase two (one block) reads
-# fewer partials. scripts/breakdown_cuda.py on the H200, bf16 batch-norm steps: 528
-# blocks 750/654 us (resnet_28/56), 1056 blocks 862/714, 264 blocks 983/908.
+# blocks per SM of an H100/H200 (132 SMs), chosen when the row kernels kept one channel
+# a thread in at most 64 registers (four blocks of 256 resident; phase two, one block,
+# reads fewer partials): scripts/breakdown_cuda.py on the H200, bf16 batch-norm steps,
+# 528 blocks 750/654 us (resnet_28/56), 1056 blocks 862/714, 264 blocks 983/908. The
+# lane-group kernels take 48-120 registers (ptxas, sm_90; d_z the most) and were
+# measured at 528 only.
 ELEMENTWISE_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 132 * 16
 ROW_THREADS = 256
@@ -222,10 +226,14 @@ def _io(storage: str):
     return load, store, stored, part
 
 
+def _lanes_in_8_bytes(storage: str) -> int:
+    return 8 // np.dtype(np.float32 if storage == "float32" else np.uint16).itemsize
+
+
 def lanes_for(storage: str, C: int) -> int:
     """Channels a row-kernel thread keeps: as many as fill 8 bytes of its storage format
     where C divides into them, else one. Depends on the shape and dtype alone."""
-    lanes = 8 // np.dtype(np.float32 if storage == "float32" else np.uint16).itemsize
+    lanes = _lanes_in_8_bytes(storage)
     return lanes if C % lanes == 0 else 1
 
 
@@ -302,7 +310,7 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
     load, store, stored, part = _io(storage)
     LANES = lanes
     if wide:
-        if lanes * (4 if storage == "float32" else 2) != 8:
+        if lanes != _lanes_in_8_bytes(storage):
             raise ValueError(f"wide loads need 8 bytes of channels, got lanes={lanes} of {storage}")
         BUF_T = np.uint64
 
