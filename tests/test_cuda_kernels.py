@@ -31,6 +31,21 @@ def cuda_layer(spec, seed=0):
     return make_layer(spec, seed, backend="cuda", convolutions=HostConvolutions(spec))
 
 
+def assert_step_matches(ours, ref, x, dy):
+    """forward and backward_full of the CUDA layer agree with the reference's."""
+    np.testing.assert_allclose(as_numpy(ours.forward(x)), ref.forward(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(as_numpy(ours.backward_full(x, dy)), ref.backward_full(x, dy), rtol=1e-4, atol=1e-5)
+
+
+def assert_grads_and_state_match(ours, ref, bias_atol=1e-5):
+    """The accumulated gradients and the state (running statistics) agree too."""
+    for k, g in ref.grad_dict().items():
+        atol = bias_atol if k == "bias" else 1e-5
+        np.testing.assert_allclose(ours.grad_dict()[k], g, rtol=1e-4, atol=atol, err_msg=k)
+    for k, v in ref.state_dict().items():
+        np.testing.assert_allclose(ours.state_dict()[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+
+
 @pytest.mark.parametrize("name, dtype, mode", CASES, ids=["-".join(c) for c in CASES])
 def test_cuda_kernels_match_the_golden_files(name, dtype, mode):
     case = load_case(FILES[name])
@@ -69,8 +84,7 @@ def test_reductions_over_several_partials_match_the_reference(monkeypatch, norm)
                      activation="tanh", normalization=norm, dtype="float32")
     ours, ref = cuda_layer(spec), make_layer(spec, backend="reference")
     x, dy = random_inputs(spec)
-    np.testing.assert_allclose(as_numpy(ours.forward(x)), ref.forward(x), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(as_numpy(ours.backward_full(x, dy)), ref.backward_full(x, dy), rtol=1e-4, atol=1e-5)
+    assert_step_matches(ours, ref, x, dy)
     for k, g in ref.grad_dict().items():
         np.testing.assert_allclose(ours.grad_dict()[k], g, rtol=1e-4, atol=1e-5, err_msg=k)
     for k in ("running_mean", "running_var"):
@@ -116,14 +130,8 @@ def test_phase_two_in_the_last_block_runs_again_on_the_next_launch(monkeypatch, 
                      activation="relu", normalization=norm, dtype="float32")
     ours, ref = cuda_layer(spec), make_layer(spec, backend="reference")
     for seed in (1, 2):
-        x, dy = random_inputs(spec, seed=seed)
-        np.testing.assert_allclose(as_numpy(ours.forward(x)), ref.forward(x), rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(as_numpy(ours.backward_full(x, dy)), ref.backward_full(x, dy), rtol=1e-4,
-                                   atol=1e-5)
-    for k, g in ref.grad_dict().items():
-        np.testing.assert_allclose(ours.grad_dict()[k], g, rtol=1e-4, atol=1e-5, err_msg=k)
-    for k, v in ref.state_dict().items():
-        np.testing.assert_allclose(ours.state_dict()[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+        assert_step_matches(ours, ref, *random_inputs(spec, seed=seed))
+    assert_grads_and_state_match(ours, ref)
 
 
 @pytest.mark.parametrize("channels, blocks", [(100, 11), (260, 3)], ids=["two-threads-a-channel", "wider-than-a-block"])
@@ -134,16 +142,10 @@ def test_phase_two_adds_the_partials_of_every_block(monkeypatch, channels, block
     spec = LayerSpec(batch_size=3, in_height=2, in_width=2, in_channels=2, out_channels=channels, kernel=1,
                      activation="relu", normalization="batch_norm", dtype="float32")
     ours, ref = cuda_layer(spec), make_layer(spec, backend="reference")
-    x, dy = random_inputs(spec)
-    np.testing.assert_allclose(as_numpy(ours.forward(x)), ref.forward(x), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(as_numpy(ours.backward_full(x, dy)), ref.backward_full(x, dy), rtol=1e-4, atol=1e-5)
-    for k, g in ref.grad_dict().items():
-        # Under batch norm the bias gradient sums d_z to about zero: float32 leaves ~1e-5
-        # of noise, while a partial left out or added twice would leave ~1.
-        atol = 1e-4 if k == "bias" else 1e-5
-        np.testing.assert_allclose(ours.grad_dict()[k], g, rtol=1e-4, atol=atol, err_msg=k)
-    for k, v in ref.state_dict().items():
-        np.testing.assert_allclose(ours.state_dict()[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+    assert_step_matches(ours, ref, *random_inputs(spec))
+    # Under batch norm the bias gradient sums d_z to about zero: float32 leaves ~1e-5 of
+    # noise, while a partial left out or added twice would leave ~1.
+    assert_grads_and_state_match(ours, ref, bias_atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
