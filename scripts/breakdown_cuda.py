@@ -1,12 +1,13 @@
 """Where the GPU time of one CUDA training step goes: each cuDNN execute and each kernel
 launch of forward(training) + backward_full timed with CUDA events on the layer's
 stream, and the whole step replayed as a CUDA graph; optionally swept over the row
-kernels' launch shape (blocks at most, rows loaded ahead, partials loaded ahead by the
-last block, lane groups read with 8-byte loads or one channel a thread).
+kernels' launch shape (blocks at most, rows loaded ahead, partials loaded ahead in phase
+two, blocks a group in phase two's first level, lane groups read with 8-byte loads or
+one channel a thread).
 
     python scripts/breakdown_cuda.py [--shapes resnet_28,rl_small] [--dtypes bfloat16] [--bn 1]
                                      [--max-blocks 1056,264] [--unroll 4,8] [--wide 1,0]
-                                     [--phase-two-unroll 4,16] [--steps 20]
+                                     [--phase-two-unroll 4,16] [--phase-group 16,32] [--steps 20]
 
 Row kernels also print the bandwidth they reach: the bytes they must move (z read; d_y
 read by the gradient passes; y or d_z written) over their time. Events between launches
@@ -103,6 +104,7 @@ def main() -> None:
     ap.add_argument("--unroll", default="", help="comma list of kernels.ROW_UNROLL values")
     ap.add_argument("--wide", default="", help="comma list of kernels.WIDE_ROWS values (1/0)")
     ap.add_argument("--phase-two-unroll", default="", help="comma list of kernels.PHASE_TWO_UNROLL values")
+    ap.add_argument("--phase-group", default="", help="comma list of kernels.PHASE_GROUP values")
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
 
@@ -112,8 +114,11 @@ def main() -> None:
     unrolls = [int(v) for v in args.unroll.split(",") if v] or [K.ROW_UNROLL]
     wides = [v == "1" for v in args.wide.split(",") if v] or [K.WIDE_ROWS]
     twos = [int(v) for v in args.phase_two_unroll.split(",") if v] or [K.PHASE_TWO_UNROLL]
-    for wide, unroll, two, max_blocks in [(w, u, t, b) for w in wides for u in unrolls for t in twos for b in blocks]:
+    groups = [int(v) for v in args.phase_group.split(",") if v] or [K.PHASE_GROUP]
+    sweep = [(w, u, t, g, b) for w in wides for u in unrolls for t in twos for g in groups for b in blocks]
+    for wide, unroll, two, group, max_blocks in sweep:
         K.WIDE_ROWS, K.ROW_UNROLL, K.PHASE_TWO_UNROLL, K.ROW_MAX_BLOCKS = wide, unroll, two, max_blocks
+        K.PHASE_GROUP = group
         K.ROW_BUFFER = unroll * K.MAX_LANES
         K.kernel_set.cache_clear()  # compiled again with these constants
         for shape in args.shapes.split(","):
@@ -130,7 +135,7 @@ def main() -> None:
                             text += f" ({ROW_TRAFFIC[label] * values * item / (ms * 1e-3) / 1e12:.2f} TB/s)"
                         parts.append(text)
                     print(f"{shape} {dtype} bn={bn} wide={int(wide)} unroll={unroll} "
-                          f"phase_two_unroll={two} blocks={P}: graph {1e3 * graph_ms:.1f} us, "
+                          f"phase_two_unroll={two} phase_group={group} blocks={P}: graph {1e3 * graph_ms:.1f} us, "
                           f"eager pieces {1e3 * sum(pieces.values()):.1f} us = " + ", ".join(parts), flush=True)
 
 

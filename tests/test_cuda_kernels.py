@@ -134,11 +134,24 @@ def test_phase_two_in_the_last_block_runs_again_on_the_next_launch(monkeypatch, 
     assert_grads_and_state_match(ours, ref)
 
 
-@pytest.mark.parametrize("channels, blocks", [(100, 11), (260, 3)], ids=["two-threads-a-channel", "wider-than-a-block"])
-def test_phase_two_adds_the_partials_of_every_block(monkeypatch, channels, blocks):
+@pytest.fixture
+def fresh_kernels():
+    # Kernels read module constants when they are built: build them again around a test
+    # that changes one, so that no other test gets its variant.
+    K.kernel_set.cache_clear()
+    yield
+    K.kernel_set.cache_clear()
+
+
+@pytest.mark.parametrize("channels, blocks, group", [(100, 11, 16), (260, 3, 16), (100, 11, 4), (260, 3, 2)],
+                         ids=["two-threads-a-channel", "wider-than-a-block", "groups-ragged", "groups-wide"])
+def test_phase_two_adds_the_partials_of_every_block(monkeypatch, fresh_kernels, channels, blocks, group):
     # 100 channels: two threads of the last block share a channel, each adding several
     # turns of partials with a ragged last turn; 260 channels: more channels than threads.
+    # With groups of fewer blocks than the kernel has, in two levels: 11 blocks in groups
+    # of 4, 4, 3; 3 blocks in groups of 2, 1.
     monkeypatch.setattr(K, "row_partition", lambda M, C: blocks)
+    monkeypatch.setattr(K, "PHASE_GROUP", group)
     spec = LayerSpec(batch_size=3, in_height=2, in_width=2, in_channels=2, out_channels=channels, kernel=1,
                      activation="relu", normalization="batch_norm", dtype="float32")
     ours, ref = cuda_layer(spec), make_layer(spec, backend="reference")
@@ -148,10 +161,11 @@ def test_phase_two_adds_the_partials_of_every_block(monkeypatch, channels, block
     assert_grads_and_state_match(ours, ref, bias_atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_a_d_y_off_eight_byte_alignment_gives_the_same_bits(dtype):
-    # Row kernels read lane groups with 8-byte loads; a d_y one value off that alignment
-    # is read one value at a time, by the same sums in the same order.
+    # Row kernels read and write lane groups with 8-byte loads and stores; a d_y one
+    # value off that alignment is read one value at a time (and d_z written one value at
+    # a time), by the same sums in the same order.
     from conv2d.cuda.runtime import to_device_bits
 
     spec = LayerSpec(batch_size=2, in_height=4, in_width=3, in_channels=2, out_channels=8, kernel=3, padding=1,

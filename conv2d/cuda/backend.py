@@ -80,7 +80,9 @@ class CudaBackend:
         self._batch_stats = False
         self._dummy = alloc(1, f32)  # stands for absent norm arrays in kernel arguments
         # Reduction scratch: partials for channels (P, C) and samples (Q, N); totals.
-        self._col = (alloc(self.P * oc, f32), alloc(self.P * oc, f32))
+        # The row kernels' partials: one row a block, then one a group of blocks.
+        rows = self.P + K.phase_groups(self.P)
+        self._col = (alloc(rows * oc, f32), alloc(rows * oc, f32))
         self._seg = (alloc(self.Q * n, f32), alloc(self.Q * n, f32))
         self._sums_col = alloc(2 * oc, f32)
         self._sums_seg = alloc(2 * n, f32)
@@ -183,7 +185,7 @@ class CudaBackend:
             d = self._dummy
             gamma, beta = self._gamma_beta()
             s = self.spec
-            counter = self.cuda.to_device(np.zeros(1, np.int32), stream=self.stream)
+            counter = self.cuda.to_device(np.zeros(1 + K.phase_groups(self.P), np.int32), stream=self.stream)
             args = (z, d if d_y is None else d_y, d if out is None else out, *(stats or (d, d)), gamma, beta,
                     d if sums is None else sums, batch_stats, np.float32(count), np.float32(s.bn_epsilon),
                     np.float32(s.bn_momentum), self.M, self.C, self.S, *self._col, counter,

@@ -13,9 +13,11 @@ The per-value passes are "row kernels" (`rows`): one skeleton that gives each th
 fixed lane group of channels (`lanes_for`: 8 bytes of them, read with one load where the
 data is 8-byte aligned) and either sums (statistics, the norm's gradient terms), writes
 y, or writes d_z while summing it for the bias gradient; the channels' norm parameters
-are read from memory per value. In a row kernel phase two runs in the same launch: the
-last block to finish (an atomic ticket) adds the partials, reading them coalesced in its
-own channel layout. Layer norm's per-sample sums keep a separate phase-two launch
+are read once where they do not change with the row (no norm, batch norm), and y and
+d_z written with one 8-byte store a lane group. In a row kernel phase two runs in the
+same launch, in two levels: the last block of each group of PHASE_GROUP blocks (an
+atomic ticket) adds the group's partials, the last group adds those, reading them
+coalesced in its own channel layout. Layer norm's per-sample sums keep a separate phase-two launch
 (`partials_final`, `stats_final`).
 
 `kernel_set(storage, activation, norm, lanes, wide)` compiles (once) the kernels for one
@@ -54,6 +56,8 @@ ROW_MAX_BLOCKS = 132 * 4
 ROW_MIN_VALUES = 16
 ROW_UNROLL = 4
 PHASE_TWO_UNROLL = 4
+# Blocks whose partials one block adds in phase two's first level (phase_groups).
+PHASE_GROUP = 16
 WIDE_ROWS = True  # row kernels read lane groups with 8-byte loads (lanes_for)
 MAX_LANES = 4  # channels a row-kernel thread keeps at most (8 bytes of 16-bit values)
 # numba sizes local and shared arrays only by plain module constants, not expressions.
@@ -109,6 +113,19 @@ if simulating():
     @cuda.jit(device=True)
     def f32_from_bits(bits):
         return np.array([bits], dtype=np.uint32).view(np.float32)[0]
+
+    @cuda.jit(device=True)
+    def store_u64(a, j, bits):
+        n = 8 // a.dtype.itemsize
+        a[j * n:(j + 1) * n] = np.array([bits], dtype=np.uint64).view(a.dtype)
+
+    @cuda.jit(device=True)
+    def f16_encode_bits(v):
+        return np.uint32(np.array([np.float16(v)], dtype=np.float16).view(np.uint16)[0])
+
+    @cuda.jit(device=True)
+    def f32_bits(v):
+        return np.uint32(np.array([v], dtype=np.float32).view(np.uint32)[0])
 else:
     from llvmlite import ir
     from numba.core import types as nb_types
@@ -140,6 +157,39 @@ else:
         return nb_types.uint64(a, j), codegen
 
     @intrinsic
+    def store_u64(typingctx, a, j, bits):
+        # Stores the 8 bytes `bits` at byte offset 8 * j of array a's data, one store
+        # instruction (the caller keeps j in range and the data 8-byte aligned).
+        if not isinstance(a, nb_types.Array) or not isinstance(j, nb_types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
+            index = context.cast(builder, args[1], signature.args[1], nb_types.intp)
+            value = context.cast(builder, args[2], signature.args[2], nb_types.uint64)
+            ptr = builder.gep(builder.bitcast(data, ir.IntType(64).as_pointer()), [index])
+            builder.store(value, ptr, align=8)
+            return context.get_dummy_value()
+        return nb_types.void(a, j, bits), codegen
+
+    @intrinsic
+    def _f16_encode_bits(typingctx, v):
+        # The float16 bits of float32 v, rounded as numba's own float32 -> float16 store
+        # rounds it (the same fptrunc).
+        def codegen(context, builder, signature, args):
+            h = builder.fptrunc(args[0], ir.HalfType())
+            return builder.zext(builder.bitcast(h, ir.IntType(16)), ir.IntType(32))
+        return nb_types.uint32(nb_types.float32), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def f16_encode_bits(v):
+        return _f16_encode_bits(f32(v))
+
+    @cuda.jit(device=True, inline=True)
+    def f32_bits(v):
+        return np.uint32(libdevice.float_as_int(v))
+
+    @intrinsic
     def _f16_bits_to_f32(typingctx, bits):
         def codegen(context, builder, signature, args):
             h = builder.bitcast(builder.trunc(args[0], ir.IntType(16)), ir.HalfType())
@@ -167,9 +217,10 @@ else:
 
 
 def _io(storage: str):
-    """(load, store, stored, part) device functions for a storage format: float32 values
-    in and out; `stored(a, i, v)` stores v and returns the value as stored, back in
-    float32; `part(raw, v)` is value v of 8 raw bytes (`load_u64`) as float32."""
+    """(load, store, stored, part, encode) device functions for a storage format: float32
+    values in and out; `stored(a, i, v)` stores v and returns the value as stored, back in
+    float32; `part(raw, v)` is value v of 8 raw bytes (`load_u64`) as float32;
+    `encode(v)` is (the bits `stored` would store, as uint64; the value as stored)."""
     if storage == "bfloat16":
         @cuda.jit(device=True, inline=True)
         def load(a, i):
@@ -188,6 +239,11 @@ def _io(storage: str):
         @cuda.jit(device=True, inline=True)
         def part(raw, v):
             return bf16_to_f32(np.uint32((raw >> np.uint64(16 * v)) & np.uint64(0xFFFF)))
+
+        @cuda.jit(device=True, inline=True)
+        def encode(v):
+            bits = f32_to_bf16(v)
+            return np.uint64(bits), bf16_to_f32(bits)
     elif storage == "float16":
         @cuda.jit(device=True, inline=True)
         def load(a, i):
@@ -206,6 +262,11 @@ def _io(storage: str):
         @cuda.jit(device=True, inline=True)
         def part(raw, v):
             return f16_bits_to_f32(np.uint32((raw >> np.uint64(16 * v)) & np.uint64(0xFFFF)))
+
+        @cuda.jit(device=True, inline=True)
+        def encode(v):
+            bits = f16_encode_bits(v)
+            return np.uint64(bits), f16_bits_to_f32(bits)
     else:
         @cuda.jit(device=True, inline=True)
         def load(a, i):
@@ -223,7 +284,11 @@ def _io(storage: str):
         @cuda.jit(device=True, inline=True)
         def part(raw, v):
             return f32_from_bits(np.uint32((raw >> np.uint64(32 * v)) & np.uint64(0xFFFFFFFF)))
-    return load, store, stored, part
+
+        @cuda.jit(device=True, inline=True)
+        def encode(v):
+            return np.uint64(f32_bits(v)), f32(v)
+    return load, store, stored, part, encode
 
 
 def _lanes_in_8_bytes(storage: str) -> int:
@@ -307,7 +372,7 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
     (1, or `lanes_for`); with `wide` they read them with one 8-byte load (the arrays they
     read must then be 8-byte aligned), without it one load a value: the same sums in the
     same order, so the two give bitwise identical results."""
-    load, store, stored, part = _io(storage)
+    load, store, stored, part, encode = _io(storage)
     LANES = lanes
     if wide:
         if lanes != _lanes_in_8_bytes(storage):
@@ -321,6 +386,20 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         @cuda.jit(device=True, inline=True)
         def value(buf, k, v):
             return part(buf[k], v)
+
+        SHIFT = 64 // LANES
+
+        @cuda.jit(device=True, inline=True)
+        def put(out, i, w, packed, v):
+            # w into lane v of the lane group's 8 bytes; the value as stored.
+            bits, as_stored = encode(w)
+            return packed | (bits << np.uint64(SHIFT * v)), as_stored
+
+        @cuda.jit(device=True, inline=True)
+        def flush(out, i, packed):
+            # Outputs are whole allocations of the layer's (8-byte aligned by
+            # construction) and i a lane group's first index.
+            store_u64(out, i // LANES, packed)
     else:
         BUF_T = np.float32
 
@@ -332,6 +411,14 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         @cuda.jit(device=True, inline=True)
         def value(buf, k, v):
             return buf[k * LANES + v]
+
+        @cuda.jit(device=True, inline=True)
+        def put(out, i, w, packed, v):
+            return packed, stored(out, i, w)
+
+        @cuda.jit(device=True, inline=True)
+        def flush(out, i, packed):
+            pass
     act_f, act_d = _activation(activation)
     mode = NORM_MODE[normalization]
 
@@ -345,44 +432,67 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         return 0
 
     @cuda.jit(device=True, inline=True)
-    def act_value(zi, c, g, mean, inv_std, gamma, beta):
-        # (a, x_hat): the activation's input, and the normalised value, for z = zi.
+    def act_scalar(zi, m, isd, gm, bt):
+        # (a, x_hat): the activation's input, and the normalised value, for z = zi with
+        # mean m, inverse deviation isd, gamma gm and beta bt.
         if mode == NORM_NONE:
             return zi, zi
-        x_hat = (zi - mean[g]) * inv_std[g]
-        return gamma[c] * x_hat + beta[c], x_hat
+        x_hat = (zi - m) * isd
+        return gm * x_hat + bt, x_hat
+
+    @cuda.jit(device=True, inline=True)
+    def act_value(zi, c, g, mean, inv_std, gamma, beta):
+        # act_scalar with channel c's gamma/beta and group g's statistics.
+        if mode == NORM_NONE:
+            return zi, zi
+        return act_scalar(zi, mean[g], inv_std[g], gamma[c], beta[c])
 
     @cuda.jit(device=True, inline=True)
     def act_input(z, i, c, g, mean, inv_std, gamma, beta):
         return act_value(load(z, i), c, g, mean, inv_std, gamma, beta)
 
     @cuda.jit(device=True, inline=True)
-    def row_terms(kind, zi, gi, out, i, c, g, shift, mean, inv_std, gamma, beta, sums, batch_stats, count):
-        # What a row kernel does with value i (channel c, group g), given z[i] = zi and
-        # d_y[i] = gi; returns the two values it sums. Statistics are summed shifted by
-        # the channel's first value, which keeps the variance from cancelling when the
-        # mean is large against the spread. WRITE_DZ sums d_z as stored (the bias
-        # gradient of the stored d_z).
+    def lane_params(kind, c, g, mean, inv_std, gamma, beta, sums, batch_stats, count):
+        # What row_terms needs of channel c in group g: (mean, inverse deviation, gamma,
+        # beta, sums[g] / count, sums[G + g] / count), each read only where it exists
+        # for this kind (zero otherwise).
+        m, isd, gm, bt, q0, q1 = ZERO, ZERO, ZERO, ZERO, ZERO, ZERO
+        if mode != NORM_NONE and kind != SUM_STATS:
+            m = mean[g]
+            isd = inv_std[g]
+            gm = gamma[c]
+            bt = beta[c]
+            if kind == WRITE_DZ and batch_stats:
+                q0 = sums[g] / count
+                q1 = sums[mean.size + g] / count
+        return m, isd, gm, bt, q0, q1
+
+    @cuda.jit(device=True, inline=True)
+    def row_terms(kind, zi, gi, m, isd, gm, bt, q0, q1, shift, batch_stats):
+        # What a row kernel does with one value, given z = zi, d_y = gi and its channel's
+        # parameters (lane_params): returns the two values it sums and the value it
+        # writes (y or d_z; the caller stores it and sums d_z as stored). Statistics
+        # are summed shifted by the channel's first value, which keeps the variance from
+        # cancelling when the mean is large against the spread. WRITE_DZ sums d_z as
+        # stored (the bias gradient of the stored d_z).
         if kind == SUM_STATS:
             v = zi - shift
-            return v, v * v
-        a, x_hat = act_value(zi, c, g, mean, inv_std, gamma, beta)
+            return v, v * v, ZERO
+        a, x_hat = act_scalar(zi, m, isd, gm, bt)
         if kind == WRITE_Y:
-            store(out, i, act_f(a))
-            return ZERO, ZERO
+            return ZERO, ZERO, act_f(a)
         d_a = gi * act_d(a)
         if kind == SUM_GRADS:
-            return d_a, d_a * x_hat
-        G = mean.size
+            return d_a, d_a * x_hat, ZERO
         if mode == NORM_NONE:
             v = d_a
         elif not batch_stats:
-            v = d_a * gamma[c] * inv_std[g]
+            v = d_a * gm * isd
         elif mode == NORM_BATCH:
-            v = gamma[c] * inv_std[g] * (d_a - sums[g] / count - x_hat * (sums[G + g] / count))
+            v = gm * isd * (d_a - q0 - x_hat * q1)
         else:
-            v = inv_std[g] * (d_a * gamma[c] - sums[g] / count - x_hat * (sums[G + g] / count))
-        return stored(out, i, v), ZERO
+            v = isd * (d_a * gm - q0 - x_hat * q1)
+        return ZERO, ZERO, v
 
     @cuda.jit(device=True, inline=True)
     def row_run(kind, z, d_y, out, c0, r, end, step, C, S, mean, inv_std, gamma, beta, sums, batch_stats, count,
@@ -390,14 +500,25 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         # Rows r, r + step, ... < end of channels c0 .. c0 + LANES - 1, summed in that
         # order into acc0/acc1. Each turn loads ROW_UNROLL rows first, so that many loads
         # are in flight, then computes them in order (one copy of the per-value code
-        # keeps numba's compile time short).
+        # keeps numba's compile time short). Without layer norm a channel's parameters
+        # are the same on every row: read once, kept in registers (per-value reads of
+        # them were most of the kernels' L1 traffic).
         # Sized by module constants (numba needs them); a variant uses what it needs.
         zs = cuda.local.array(ROW_BUFFER, dtype=BUF_T)
         gs = cuda.local.array(ROW_BUFFER, dtype=BUF_T)
+        pm = cuda.local.array(MAX_LANES, dtype=np.float32)
+        pi = cuda.local.array(MAX_LANES, dtype=np.float32)
+        pg = cuda.local.array(MAX_LANES, dtype=np.float32)
+        pb = cuda.local.array(MAX_LANES, dtype=np.float32)
+        p0 = cuda.local.array(MAX_LANES, dtype=np.float32)
+        p1 = cuda.local.array(MAX_LANES, dtype=np.float32)
         for v in range(LANES):
             acc0[v] = ZERO
             acc1[v] = ZERO
             shift[v] = load(z, c0 + v) if kind == SUM_STATS else ZERO
+            if mode != NORM_LAYER:
+                pm[v], pi[v], pg[v], pb[v], p0[v], p1[v] = lane_params(kind, c0 + v, c0 + v, mean, inv_std, gamma,
+                                                                       beta, sums, batch_stats, count)
         while r < end:
             for k in range(ROW_UNROLL):
                 rk = r + k * step
@@ -408,31 +529,45 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
             for k in range(ROW_UNROLL):
                 rk = r + k * step
                 if rk < end:
+                    packed = np.uint64(0)
                     for v in range(LANES):
                         c = c0 + v
+                        if mode == NORM_LAYER:
+                            m, isd, gm, bt, q0, q1 = lane_params(kind, c, row_group(rk, c, C, S), mean, inv_std,
+                                                                 gamma, beta, sums, batch_stats, count)
+                        else:
+                            m, isd, gm, bt, q0, q1 = pm[v], pi[v], pg[v], pb[v], p0[v], p1[v]
                         gi = value(gs, k, v) if kind == SUM_GRADS or kind == WRITE_DZ else ZERO
-                        u0, u1 = row_terms(kind, value(zs, k, v), gi, out, rk * C + c, c, row_group(rk, c, C, S),
-                                           shift[v], mean, inv_std, gamma, beta, sums, batch_stats, count)
+                        u0, u1, w = row_terms(kind, value(zs, k, v), gi, m, isd, gm, bt, q0, q1, shift[v],
+                                              batch_stats)
+                        if kind == WRITE_Y or kind == WRITE_DZ:
+                            packed, as_stored = put(out, rk * C + c, w, packed, v)
+                            if kind == WRITE_DZ:
+                                u0 = as_stored
                         acc0[v] += u0
                         acc1[v] += u1
+                    if kind == WRITE_Y or kind == WRITE_DZ:
+                        flush(out, rk * C + c0, packed)
             r += ROW_UNROLL * step
 
     @cuda.jit(device=True, inline=True)
-    def column_sums(p0, p1, j, P, R, C, c):
-        # Sums of partials[p * C + c] over p = j, j + R, ... < P for both arrays, in that
-        # order; PHASE_TWO_UNROLL loads in flight (a warp reads consecutive channels).
+    def column_sums(p0, p1, base, j, n, R, C, c):
+        # Sums of partials[p * C + c] over p = base + j, base + j + R, ... < base + n for
+        # both arrays, in that order; PHASE_TWO_UNROLL loads in flight (a warp reads
+        # consecutive channels).
         b0 = cuda.local.array(PHASE_TWO_UNROLL, dtype=np.float32)
         b1 = cuda.local.array(PHASE_TWO_UNROLL, dtype=np.float32)
         a0, a1 = ZERO, ZERO
-        p = j
-        while p < P:
+        p = base + j
+        end = base + n
+        while p < end:
             for k in range(PHASE_TWO_UNROLL):
                 q = p + k * R
-                if q < P:
+                if q < end:
                     b0[k] = p0[q * C + c]
                     b1[k] = p1[q * C + c]
             for k in range(PHASE_TWO_UNROLL):
-                if p + k * R < P:
+                if p + k * R < end:
                     a0 += b0[k]
                     a1 += b1[k]
             p += PHASE_TWO_UNROLL * R
@@ -532,34 +667,60 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
                     out0[p * C + c] = t0
                     out1[p * C + c] = t1
             if kind != WRITE_Y:
-                last = cuda.shared.array(1, dtype=np.int32)
+                # Phase two in two levels when there are several groups of PHASE_GROUP
+                # blocks: the last block of a group to finish adds the group's partials
+                # in block order into row P + group; the last group to finish adds those
+                # in group order and finishes. One group: its last block adds the P
+                # partials in block order. Tickets: counter[1 + group], then counter[0].
+                flag = cuda.shared.array(1, dtype=np.int32)
+                P = cuda.gridDim.x
+                NG = (P + PHASE_GROUP - 1) // PHASE_GROUP
+                grp = p // PHASE_GROUP
+                first = grp * PHASE_GROUP
+                n_in = min(PHASE_GROUP, P - first)
                 cuda.threadfence()  # this block's partials before its ticket
                 cuda.syncthreads()
                 if t == 0:
-                    last[0] = 1 if cuda.atomic.add(counter, 0, 1) == cuda.gridDim.x - 1 else 0
+                    flag[0] = 1 if cuda.atomic.add(counter, 1 + grp, 1) == n_in - 1 else 0
                 cuda.syncthreads()
-                if last[0] == 1:
-                    # Phase two, the same layout again: with C < ROW_THREADS, thread t
-                    # adds the partials of blocks t // C, t // C + R, ... of channel t % C,
-                    # then the R sums of a channel are added in order; otherwise thread t
-                    # adds all P partials of its channels.
-                    P = cuda.gridDim.x
+                # One loop over the levels, so that the summing code is inlined once
+                # (a second copy took the kernels from 48 to 122 registers a thread).
+                level = 0 if NG > 1 else 1
+                while level < 2 and flag[0] == 1:
+                    base, n = (first, n_in) if level == 0 else ((P, NG) if NG > 1 else (0, P))
+                    # With C < ROW_THREADS thread t adds the partials of rows base + t // C,
+                    # base + t // C + R, ... of channel t % C, then the R sums of a channel
+                    # are added in order; otherwise thread t adds all rows of its channels.
                     if C < ROW_THREADS:
                         R2 = ROW_THREADS // C
                         u0, u1 = ZERO, ZERO
                         if t < R2 * C:
-                            u0, u1 = column_sums(out0, out1, t // C, P, R2, C, t % C)
+                            u0, u1 = column_sums(out0, out1, base, t // C, n, R2, C, t % C)
                         t0, t1 = channel_sums(s0, s1, t, u0, u1, R2, C)
-                        if t < C:
-                            finish(kind, t, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, C,
-                                   acc0, acc1, accumulate)
+                        c_first, c_end, c_step = t, (t + 1 if t < C else t), 1
                     else:
-                        for c in range(t, C, ROW_THREADS):
-                            t0, t1 = column_sums(out0, out1, 0, P, 1, C, c)
+                        c_first, c_end, c_step = t, C, ROW_THREADS
+                    for c in range(c_first, c_end, c_step):
+                        if C >= ROW_THREADS:
+                            t0, t1 = column_sums(out0, out1, base, 0, n, 1, C, c)
+                        if level == 0:
+                            out0[(P + grp) * C + c] = t0
+                            out1[(P + grp) * C + c] = t1
+                        else:
                             finish(kind, c, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, C,
                                    acc0, acc1, accumulate)
-                    if t == 0:
+                    if level == 0:
+                        if t == 0:
+                            counter[1 + grp] = 0
+                        cuda.threadfence()  # the group's sums before its ticket
+                        cuda.syncthreads()
+                        if t == 0:
+                            flag[0] = 1 if cuda.atomic.add(counter, 0, 1) == NG - 1 else 0
+                        cuda.syncthreads()
+                    elif t == 0:
                         counter[0] = 0
+                        counter[1 + grp] = 0
+                    level += 1
         return rows
 
     rows = {k: make_rows(k) for k in (SUM_STATS, SUM_GRADS, WRITE_DZ, WRITE_Y)}
@@ -696,6 +857,13 @@ def row_partition(M: int, C: int) -> int:
     """Blocks of a row kernel over (M, C) values: enough to fill the GPU, each thread with
     at least ROW_MIN_VALUES values, no block without a row. Depends on the shape alone."""
     return max(1, min(ROW_MAX_BLOCKS, M, -(-M * C // (ROW_THREADS * ROW_MIN_VALUES))))
+
+
+def phase_groups(P: int) -> int:
+    """Groups of PHASE_GROUP blocks that a row kernel of P blocks adds up in phase two's
+    first level: its partials need P + phase_groups(P) rows of C, its counter 1 +
+    phase_groups(P) zeros."""
+    return -(-P // PHASE_GROUP)
 
 
 def segment_partition(S: int) -> int:
