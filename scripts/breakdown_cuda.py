@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--wide", default="", help="comma list of kernels.WIDE_ROWS values (1/0)")
     ap.add_argument("--phase-two-unroll", default="", help="comma list of kernels.PHASE_TWO_UNROLL values")
     ap.add_argument("--phase-group", default="", help="comma list of kernels.PHASE_GROUP values")
+    ap.add_argument("--bounded", default="", help="comma list of kernels.ROW_BOUNDED values (1/0)")
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
 
@@ -115,10 +116,12 @@ def main() -> None:
     wides = [v == "1" for v in args.wide.split(",") if v] or [K.WIDE_ROWS]
     twos = [int(v) for v in args.phase_two_unroll.split(",") if v] or [K.PHASE_TWO_UNROLL]
     groups = [int(v) for v in args.phase_group.split(",") if v] or [K.PHASE_GROUP]
-    sweep = [(w, u, t, g, b) for w in wides for u in unrolls for t in twos for g in groups for b in blocks]
-    for wide, unroll, two, group, max_blocks in sweep:
+    bounds = [v == "1" for v in args.bounded.split(",") if v] or [K.ROW_BOUNDED]
+    sweep = [(w, u, t, g, b, lb) for w in wides for u in unrolls for t in twos for g in groups for b in blocks
+             for lb in bounds]
+    for wide, unroll, two, group, max_blocks, bounded in sweep:
         K.WIDE_ROWS, K.ROW_UNROLL, K.PHASE_TWO_UNROLL, K.ROW_MAX_BLOCKS = wide, unroll, two, max_blocks
-        K.PHASE_GROUP = group
+        K.PHASE_GROUP, K.ROW_BOUNDED = group, bounded
         K.ROW_BUFFER = unroll * K.MAX_LANES
         K.kernel_set.cache_clear()  # compiled again with these constants
         for shape in args.shapes.split(","):
@@ -135,7 +138,7 @@ def main() -> None:
                             text += f" ({ROW_TRAFFIC[label] * values * item / (ms * 1e-3) / 1e12:.2f} TB/s)"
                         parts.append(text)
                     print(f"{shape} {dtype} bn={bn} wide={int(wide)} unroll={unroll} "
-                          f"phase_two_unroll={two} phase_group={group} blocks={P}: graph {1e3 * graph_ms:.1f} us, "
+                          f"phase_two_unroll={two} phase_group={group} bounded={int(bounded)} blocks={P}: graph {1e3 * graph_ms:.1f} us, "
                           f"eager pieces {1e3 * sum(pieces.values()):.1f} us = " + ", ".join(parts), flush=True)
 
 

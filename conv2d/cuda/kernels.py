@@ -42,17 +42,23 @@ cuda = numba_cuda()
 f32 = np.float32
 
 # Launch shapes. Row kernels: blocks of ROW_THREADS threads, each block a fixed slice of
-# rows; at most ROW_MAX_BLOCKS blocks, at least ROW_MIN_VALUES values per thread. Four
-# blocks per SM of an H100/H200 (132 SMs), chosen when the row kernels kept one channel
-# a thread in at most 64 registers (four blocks of 256 resident; phase two, one block,
-# reads fewer partials): scripts/breakdown_cuda.py on the H200, bf16 batch-norm steps,
-# 528 blocks 750/654 us (resnet_28/56), 1056 blocks 862/714, 264 blocks 983/908. The
-# lane-group kernels take 48-120 registers (ptxas, sm_90; d_z the most) and were
-# measured at 528 only.
+# rows; at most ROW_MAX_BLOCKS blocks, at least ROW_MIN_VALUES values per thread: one
+# wave of three blocks an SM of an H100/H200 (132 SMs). The lane-group row kernels take
+# 60-80 registers (ptxas, sm_90), so three blocks of 256 fit an SM (four need <= 64) and
+# a launch of four an SM ran its last blocks in a second wave. scripts/breakdown_cuda.py
+# on the H200, graph step, bf16 batch norm (resnet_28 / resnet_56 / rl_small): 396
+# blocks 431 / 375 / 95 us; 528 blocks 469 / 413 / 105, or 444 / 392 / 102 with launch
+# bounds of four blocks (64 registers, with spills in the gradient kernels). Before the
+# lane groups (one channel a thread, <= 64 registers) 528 blocks had won over 1056 and 264.
 ELEMENTWISE_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 132 * 16
 ROW_THREADS = 256
-ROW_MAX_BLOCKS = 132 * 4
+SMS = 132
+ROW_MAX_BLOCKS = SMS * 3
+# Row kernels compiled with launch bounds of ROW_MAX_BLOCKS // SMS resident blocks an SM,
+# so that a change that needs more registers spills (visible in ptxas -v) instead of
+# silently putting a launch in two waves.
+ROW_BOUNDED = True
 ROW_MIN_VALUES = 16
 ROW_UNROLL = 4
 PHASE_TWO_UNROLL = 4
@@ -365,6 +371,14 @@ class KernelSet:
     accumulate_stored: object  # grad += new, elementwise, both in the storage format
 
 
+def row_jit_options() -> dict:
+    """cuda.jit options of the row kernels: launch bounds (ROW_BOUNDED), on a GPU only
+    (the simulator takes none)."""
+    if not ROW_BOUNDED or simulating():
+        return {}
+    return {"launch_bounds": (ROW_THREADS, max(1, ROW_MAX_BLOCKS // SMS))}
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_set(storage: str, activation: Activation, normalization: Normalization, lanes: int = 1,
                wide: bool = False) -> KernelSet:
@@ -611,7 +625,7 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
             store(acc0, g, load(acc0, g) + t0)
 
     def make_rows(kind):
-        @cuda.jit
+        @cuda.jit(**row_jit_options())
         def rows(z, d_y, out, mean, inv_std, gamma, beta, sums, batch_stats, count, epsilon, momentum, M, C, S,
                  out0, out1, counter, acc0, acc1, accumulate):
             """One pass over the (M, C) values: grid P blocks of ROW_THREADS, block p takes
