@@ -8,7 +8,8 @@ float32, float16, or uint16 holding bfloat16 bits; all arithmetic is float32.
 Reductions are two-phase with a fixed order, so results are bitwise identical run to
 run: phase one gives each block a fixed slice of rows and sums it in a fixed order into
 one partial per (block, group); phase two adds those partials in a fixed order (and, for
-layer norm's per-sample sums, a fixed tree). The partition depends only on the shape.
+layer norm's per-sample sums, a fixed tree). The partition depends only on the shape,
+the storage format and this module's launch constants.
 The per-value passes are "row kernels" (`rows`): one skeleton that gives each thread a
 fixed lane group of channels (`lanes_for`: 8 bytes of them, read with one load where the
 data is 8-byte aligned) and either sums (statistics, the norm's gradient terms), writes
