@@ -1,45 +1,48 @@
 """What a backend provides to `Conv2d`, and the registry `Conv2d(spec, backend=NAME)` reads.
 
-A backend owns the layer's arrays (parameters, gradients, forward cache) in its own memory
-and implements the operations below with the design's semantics; `Conv2d` validates the
-arguments that do not depend on where arrays live and chooses which gradients to compute.
+A backend is a `Functions` object for one spec: the layer's two functions over explicit
+arrays (`forward`, `backward`, and `evaluate`, which keeps nothing), and the few memory
+operations a stateful layer needs on the backend's own arrays. The parameters, gradients
+and running statistics belong to the caller (a `Conv2d`, a torch module, an optimizer);
+the functions read them in place and write only what the docstrings say.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
 from conv2d.spec import LayerSpec
 
 
-class Backend(Protocol):
+class Functions(Protocol):
+    name: str
     spec: LayerSpec
 
-    def evaluate(self, x: Any) -> Any: ...
-    def forward(self, x: Any, training: bool) -> Any: ...
-    def backward(self, x: Any, d_y: Any, param_grads: bool, input_grad: bool) -> Any: ...
-    def zero_gradient(self) -> None: ...
-    def get_state(self) -> dict[str, np.ndarray]: ...
-    def set_state(self, state: dict[str, np.ndarray]) -> None: ...
-    def get_grads(self) -> dict[str, np.ndarray]: ...
-    def set_grads(self, grads: dict[str, np.ndarray]) -> None: ...
-    @property
-    def pre_activations(self) -> Any: ...
+    def forward(self, params: Mapping[str, Any], x: Any, training: bool,
+                running: Mapping[str, Any] | None = None) -> tuple[Any, Any]: ...
+    def evaluate(self, params: Mapping[str, Any], x: Any, running: Mapping[str, Any] | None = None) -> Any: ...
+    def backward(self, params: Mapping[str, Any], saved: Any, d_y: Any, want_params: bool = True,
+                 want_input: bool = True, accumulate: Mapping[str, Any] | None = None) -> tuple[Any, Any]: ...
+    def pre_activations(self, saved: Any) -> np.ndarray: ...
+    def from_host(self, values: Mapping[str, np.ndarray]) -> dict[str, Any]: ...
+    def write(self, arrays: Mapping[str, Any], values: Mapping[str, np.ndarray]) -> None: ...
+    def read(self, arrays: Mapping[str, Any]) -> dict[str, np.ndarray]: ...
+    def zero(self, arrays: Mapping[str, Any]) -> None: ...
 
 
 # name -> "module:attribute", imported on first use so that the CPU install never imports
 # the GPU stack.
-_REGISTRY: dict[str, str | Callable[..., Backend]] = {
-    "reference": "conv2d.reference.backend:ReferenceBackend",
-    "cuda": "conv2d.cuda.backend:CudaBackend",
+_REGISTRY: dict[str, str | Callable[..., Functions]] = {
+    "reference": "conv2d.reference.functional:Functions",
+    "cuda": "conv2d.cuda.functional:Functions",
 }
 
 
-def register_backend(name: str, factory: str | Callable[..., Backend]) -> None:
-    """Add a backend: `factory(spec, **options)` returns an object with `Backend`'s methods."""
+def register_backend(name: str, factory: str | Callable[..., Functions]) -> None:
+    """Add a backend: `factory(spec, **options)` returns an object with `Functions`' methods."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_backend: name must be a non-empty str, got {name!r}")
     _REGISTRY[name] = factory
@@ -49,8 +52,8 @@ def backend_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_backend(name: str, spec: LayerSpec, **options: Any) -> Backend:
-    if name not in _REGISTRY:
+def make_functions(name: str, spec: LayerSpec, **options: Any) -> Functions:
+    if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"backend: expected one of {backend_names()}, got {name!r}")
     factory = _REGISTRY[name]
     if isinstance(factory, str):

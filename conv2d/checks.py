@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from conv2d.spec import LayerSpec
 
 
 def c_contiguous_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
@@ -50,3 +53,17 @@ def check_finite(name: str, a: np.ndarray) -> None:
     if not finite.all():
         bad = int(finite.size - finite.sum())
         raise ValueError(f"{name}: expected finite values, got {bad} NaN or infinite entries")
+
+
+def input_spec(name: str, a: Any, spec: "LayerSpec") -> "LayerSpec":
+    """The spec of a call on input `a` (N, H, W, C): any N >= 1 and any H, W the kernel
+    fits, with C the spec's in_channels (shape only; dtype and layout are checked apart)."""
+    shape = tuple(getattr(a, "shape", ()))
+    c = spec.in_channels
+    if len(shape) != 4 or shape[3] != c or min(shape) < 1:
+        raise ValueError(f"{name}: expected shape (N, H, W, {c}) with N, H, W >= 1, got {describe(a)}")
+    try:
+        return spec.at(int(shape[0]), int(shape[1]), int(shape[2]))
+    except ValueError as e:
+        raise ValueError(f"{name}: the kernel {spec.kernel} with padding {spec.padding} does not fit an input of "
+                         f"height {shape[1]} and width {shape[2]}, got {describe(a)}") from e

@@ -20,7 +20,9 @@ def as_numpy(a: Any, dtype: np.dtype | None = None) -> np.ndarray:
     elif hasattr(a, "get"):
         out = a.get()
     elif hasattr(a, "detach"):
-        out = a.detach().cpu().numpy()
+        from conv2d.arrays import host_array
+
+        out = host_array("a", a.detach().cpu())[0].copy()
     else:
         raise TypeError(f"as_numpy: cannot copy a {type(a).__name__} to the host")
     if dtype is not None and out.dtype == np.uint16 and np.dtype(dtype) == storage_dtype(DType.BFLOAT16):

@@ -23,7 +23,7 @@ import numpy as np
 
 from conv2d.dtypes import storage_dtype
 from conv2d.layer import Conv2d
-from conv2d.spec import DType, LayerSpec
+from conv2d.spec import CALL_FIELDS, DType, LayerSpec
 
 FORMAT = "conv2d"
 VERSION = 1
@@ -119,15 +119,19 @@ def _read(path: Path) -> tuple[LayerSpec, dict[str, np.ndarray]]:
 def load(path: str | os.PathLike, backend: str = "reference", into: Conv2d | None = None,
          **backend_options: Any) -> Conv2d:
     """Read a file written by `save`. Returns a new layer on `backend`, or, with `into`,
-    loads the state into that layer (whose spec must equal the file's) and returns it.
+    loads the state into that layer and returns it; the layer's spec must equal the
+    file's but for the planned batch size and input height and width, which the
+    parameters do not depend on.
     Any problem raises before a layer is changed."""
     path = Path(path)
     spec, state = _read(path)
     if into is not None:
         if not isinstance(into, Conv2d):
             raise TypeError(f"into: expected a Conv2d, got {type(into).__name__}")
-        if into.spec != spec:
-            raise ValueError(f"load({str(path)!r}): the file's spec {spec} does not match the layer's {into.spec}")
+        if not into.spec.same_layer(spec):
+            diff = "; ".join(f"{k}: file {a!r}, layer {b!r}" for k, (a, b) in
+                             spec.differences(into.spec, ignore=CALL_FIELDS).items())
+            raise ValueError(f"load({str(path)!r}): the file's layer differs from the one loaded into in {diff}")
         into.load_state_dict(state)
         return into
     layer = Conv2d(spec, backend, **backend_options)

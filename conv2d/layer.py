@@ -1,26 +1,34 @@
-"""`Conv2d`: the thin stateful layer object over a backend."""
+"""`Conv2d`: the thin stateful layer over a backend's functions, with the original
+library's semantics: it owns the parameters, the running statistics, the accumulated
+gradients and the last forward's saved values."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import numpy as np
 
-from conv2d.backend import Backend, make_backend
+from conv2d.arrays import equal_host_arrays, library, same_memory
+from conv2d.backend import Functions, make_functions
 from conv2d.spec import LayerSpec, Normalization
-from conv2d.state import check_arrays, grad_layout, initial_state, state_layout
+from conv2d.state import RUNNING, check_arrays, grad_layout, initial_state, state_layout
 
 
 class Conv2d:
     """y = act(norm(conv(x, W) + b)) over NHWC arrays, on the backend named at construction.
 
-    `x` is (N, H, W, C) and `y` (N, OH, OW, OC) with the spec's sizes and storage dtype,
-    C-contiguous; the reference backend takes and returns NumPy arrays, the CUDA backend
-    NumPy arrays or `__cuda_array_interface__` objects in, device arrays out. Gradients of
-    the parameters accumulate across backward calls until `zero_gradient()`; the input
-    gradient is returned fresh. `backend_options` go to the backend (e.g. `allow_tf32`,
-    `stream` on CUDA).
+    `x` is (N, H, W, C) at any N >= 1 (and any H, W the kernel fits) in the spec's storage
+    dtype, C-contiguous; `y` is (N, OH, OW, OC). Results come back in the library of the
+    input: NumPy in, NumPy out; torch tensors in, torch tensors out (CPU tensors on the
+    reference backend, CUDA tensors on the CUDA backend); CuPy or numba device arrays in,
+    the same library out. Gradients of the parameters accumulate across backward calls
+    until `zero_gradient()`; the input gradient is returned fresh. `backend_options` go to
+    the backend (e.g. `allow_tf32`, `stream` on CUDA).
+
+    One layer may be called from several threads: its calls take a lock, so they run
+    one at a time, each whole.
     """
 
     def __init__(self, spec: LayerSpec, backend: str = "reference", **backend_options: Any) -> None:
@@ -28,40 +36,102 @@ class Conv2d:
             raise TypeError(f"spec: expected a LayerSpec, got {type(spec).__name__}")
         self.spec = spec
         self.backend = backend
-        self._impl: Backend = make_backend(backend, spec, **backend_options)
+        self._fn: Functions = make_functions(backend, spec, **backend_options)
+        fn = self._fn
+        self._state = fn.from_host(initial_state(spec))
+        self._params = {k: v for k, v in self._state.items() if k not in RUNNING}
+        self._running = {k: v for k, v in self._state.items() if k in RUNNING} or None
+        self._grads = fn.from_host({k: np.zeros(shape, dt) for k, (shape, dt) in grad_layout(spec).items()})
+        self._lock = threading.RLock()
+        # The last forward: its saved values, its input, and the parameters' version then.
+        self._saved: Any = None
+        self._saved_input: Any = None
+        self._saved_version = -1
+        self._version = 0
 
     def __repr__(self) -> str:
         return f"Conv2d({self.spec!r}, backend={self.backend!r})"
 
+    @property
+    def functions(self) -> Functions:
+        """The backend's functions for this spec (`forward`, `backward`, ... over explicit arrays)."""
+        return self._fn
+
     # Forward -------------------------------------------------------------------------------
     def evaluate(self, x: Any) -> Any:
         """Inference: batch norm uses the running statistics; nothing is kept."""
-        return self._impl.evaluate(x)
+        with self._lock:
+            return self._fn.evaluate(self._params, x, self._running)
 
     def forward(self, x: Any, training: bool = True) -> Any:
-        """Keeps pre-activations and norm statistics for backward. Training batch norm uses
-        the batch's statistics and updates the running ones; otherwise as `evaluate`."""
-        if not isinstance(training, bool):
-            raise TypeError(f"training: expected a bool, got {training!r}")
-        return self._impl.forward(x, training)
+        """Keeps what backward needs (input, pre-activations, norm statistics). Training
+        batch norm uses the batch's statistics and updates the running ones; otherwise as
+        `evaluate`."""
+        with self._lock:
+            y, saved = self._fn.forward(self._params, x, training, self._running)
+            self._saved, self._saved_input, self._saved_version = saved, x, self._version
+            return y
 
     # Backward ------------------------------------------------------------------------------
+    def _last_forward(self, x: Any = None, check_x: bool = False) -> Any:
+        """The saved values of the last forward, after checking that backward may use them."""
+        if check_x:
+            self._fn.check_input("x", x)
+        if self._saved is None:
+            raise RuntimeError("backward: no forward pass to differentiate; call forward(x) first")
+        if check_x and not self._is_last_input(x):
+            raise ValueError("x: not the input of the last forward; backward differentiates the last forward "
+                             "(its saved input, pre-activations and statistics): call forward(x) before "
+                             "backward(x, d_y)")
+        if self._saved_version != self._version:
+            raise RuntimeError("backward: the parameters changed (load_state_dict, init_weights or an optimizer "
+                               "step) after the last forward, whose saved values belong to the old ones; call "
+                               "forward again")
+        return self._saved
+
+    def _is_last_input(self, x: Any) -> bool:
+        last = self._saved_input
+        if same_memory(x, last):
+            return True
+        # Host arrays may be equal copies; device arrays must be the same memory.
+        return library(x) in ("numpy", "torch") and not _on_device(x) and equal_host_arrays(x, last)
+
     def backward(self, x: Any, d_y: Any) -> None:
-        """Accumulate the parameter gradients of the last forward; `x` is that forward's input."""
-        self._impl.backward(x, d_y, param_grads=True, input_grad=False)
+        """Accumulate the parameter gradients of the last forward; `x` is that forward's
+        input (the same array, or for host arrays an equal one)."""
+        with self._lock:
+            saved = self._last_forward(x, check_x=True)
+            self._fn.backward(self._params, saved, d_y, True, False, accumulate=self._grads)
 
     def backward_full(self, x: Any, d_y: Any) -> Any:
         """Accumulate the parameter gradients and return d_x (N, H, W, C)."""
-        return self._impl.backward(x, d_y, param_grads=True, input_grad=True)
+        with self._lock:
+            saved = self._last_forward(x, check_x=True)
+            return self._fn.backward(self._params, saved, d_y, True, True, accumulate=self._grads)[1]
 
     def backward_input(self, d_y: Any) -> Any:
         """Return d_x (N, H, W, C) only; parameter gradients are left as they are."""
-        return self._impl.backward(None, d_y, param_grads=False, input_grad=True)
+        with self._lock:
+            saved = self._last_forward()
+            return self._fn.backward(self._params, saved, d_y, False, True)[1]
 
     def zero_gradient(self) -> None:
-        self._impl.zero_gradient()
+        with self._lock:
+            self._fn.zero(self._grads)
 
     # Parameters ----------------------------------------------------------------------------
+    def _write_state(self, state: dict[str, np.ndarray]) -> None:
+        with self._lock:
+            self._fn.write(self._state, state)
+            if any(k not in RUNNING for k in state):
+                self._version += 1
+
+    def parameters_changed(self) -> None:
+        """Say that the parameters were changed in place (an optimizer step): a backward
+        of a forward before it raises instead of mixing old saved values with new weights."""
+        with self._lock:
+            self._version += 1
+
     def init_weights(self, rng: np.random.Generator) -> None:
         """PyTorch's default initialisation: weights uniform in +-sqrt(6 / ((1 + 5) * fan_in))
         (Kaiming-uniform with a = sqrt(5)), bias uniform in +-1/sqrt(fan_in), gamma 1, beta 0,
@@ -74,45 +144,66 @@ class Conv2d:
         b_bound = 1.0 / math.sqrt(fan_in)
         state = initial_state(self.spec)
         state["weights"] = rng.uniform(-w_bound, w_bound, layout["weights"][0]).astype(layout["weights"][1])
-        state["bias"] = rng.uniform(-b_bound, b_bound, layout["bias"][0]).astype(layout["bias"][1])
-        self._impl.set_state(state)
+        if "bias" in layout:
+            state["bias"] = rng.uniform(-b_bound, b_bound, layout["bias"][0]).astype(layout["bias"][1])
+        self._write_state(state)
 
     def reset_running_stats(self) -> None:
         """running_mean = 0, running_var = 1 (batch norm only; a no-op otherwise)."""
         if self.spec.normalization is not Normalization.BATCH_NORM:
             return
-        state = self._impl.get_state()
         fresh = initial_state(self.spec)
-        state["running_mean"], state["running_var"] = fresh["running_mean"], fresh["running_var"]
-        self._impl.set_state(state)
+        self._write_state({k: fresh[k] for k in RUNNING})
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """NumPy copies: weights (OC, KH, KW, IC), bias (OC,); with a norm gamma and beta (OC,);
-        with batch norm running_mean and running_var (OC,)."""
-        return self._impl.get_state()
+        """NumPy copies: weights (OC, KH, KW, IC); unless `bias=False`, bias (OC,); with a norm
+        gamma and beta (OC,); with batch norm running_mean and running_var (OC,)."""
+        with self._lock:
+            return self._fn.read(self._state)
 
     def grad_dict(self) -> dict[str, np.ndarray]:
         """NumPy copies of the accumulated gradients, keyed as the parameters."""
-        return self._impl.get_grads()
+        with self._lock:
+            return self._fn.read(self._grads)
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Replace the state. Every key, shape and dtype must match `state_dict()`'s exactly
         and every value be finite (running_var >= 0); checked whole before anything changes."""
-        self._impl.set_state(check_arrays("state", state, state_layout(self.spec), finite=True))
+        self._write_state(check_arrays("state", state, state_layout(self.spec), finite=True))
 
     def load_grad_dict(self, grads: dict[str, np.ndarray]) -> None:
         """Replace the accumulated gradients (checked as `load_state_dict` checks, NaN allowed)."""
-        self._impl.set_grads(check_arrays("grads", grads, grad_layout(self.spec), finite=False))
+        grads = check_arrays("grads", grads, grad_layout(self.spec), finite=False)
+        with self._lock:
+            self._fn.write(self._grads, grads)
+
+    # CUDA graphs ---------------------------------------------------------------------------
+    def _cuda_only(self, what: str) -> Any:
+        fn = getattr(self._fn, what, None)
+        if fn is None:
+            raise TypeError(f"{what}: the {self.backend!r} backend has no CUDA graphs" if what.startswith("capture")
+                            else f"{what}: the {self.backend!r} backend allocates with NumPy and has nothing to "
+                                 f"freeze")
+        return fn
 
     def freeze(self) -> None:
         """CUDA backend: forbid device allocation from now on (for CUDA graph capture).
-        The cuDNN workspace is sized at construction and never grows, NumPy inputs are
-        refused (they need a device copy), and outputs go to layer-owned buffers that the
-        next call of the same operation overwrites."""
-        freeze = getattr(self._impl, "freeze", None)
-        if freeze is None:
-            raise TypeError(f"freeze: the {self.backend!r} backend allocates with NumPy and has nothing to freeze")
-        freeze()
+        Input shapes are those planned so far (the spec's batch_size at construction); the
+        cuDNN workspace is sized and never grows, NumPy inputs are refused (they need a
+        device copy), and outputs and saved values go to layer-owned buffers that the next
+        call of the same operation overwrites."""
+        with self._lock:
+            self._cuda_only("freeze")()
+
+    def _snapshot(self) -> Callable[[], None]:
+        state, grads = self.state_dict(), self.grad_dict()
+        saved = (self._saved, self._saved_input, self._saved_version)
+
+        def restore() -> None:
+            self._fn.write(self._state, state)
+            self._fn.write(self._grads, grads)
+            self._saved, self._saved_input, self._saved_version = saved
+        return restore
 
     def capture(self, x: Any, d_y: Any) -> Any:
         """CUDA backend: capture forward(training=True) + backward_full as one CUDA graph.
@@ -122,27 +213,36 @@ class Conv2d:
         is frozen; `.outputs["y"]` and `.outputs["d_x"]` are the buffers each replay
         writes. Parameters, gradients and running statistics change with each replay
         exactly as with an eager step, bitwise."""
-        capture = getattr(self._impl, "capture_step", None)
-        if capture is None:
-            raise TypeError(f"capture: the {self.backend!r} backend has no CUDA graphs")
-        return capture(x, d_y)
+        capture = self._cuda_only("capture")
+
+        def run() -> dict[str, Any]:
+            y = self.forward(x, training=True)
+            return {"y": y, "d_x": self.backward_full(x, d_y)}
+        with self._lock:
+            return capture(run, {"x": x, "d_y": d_y}, self._snapshot)
 
     def capture_evaluate(self, x: Any) -> Any:
         """CUDA backend: capture evaluate(x) as one CUDA graph (see `capture`);
         `.outputs["y"]` receives each replay's output."""
-        capture = getattr(self._impl, "capture_evaluate", None)
-        if capture is None:
-            raise TypeError(f"capture_evaluate: the {self.backend!r} backend has no CUDA graphs")
-        return capture(x)
+        capture = self._cuda_only("capture_evaluate")
+        with self._lock:
+            return capture(lambda: {"y": self.evaluate(x)}, {"x": x}, self._snapshot)
 
     @property
-    def pre_activations(self) -> Any:
-        """conv(x, W) + b of the last `forward`, (N, OH, OW, OC), or None before any."""
-        return self._impl.pre_activations
+    def pre_activations(self) -> np.ndarray | None:
+        """conv(x, W) + b of the last `forward`, (N, OH, OW, OC), as a read-only NumPy array
+        (a view on the reference backend, a copy on CUDA), or None before any."""
+        with self._lock:
+            return None if self._saved is None else self._fn.pre_activations(self._saved)
 
     def to(self, backend: str, **backend_options: Any) -> "Conv2d":
-        """A copy of this layer, state and gradients, on `backend` (the forward cache stays)."""
+        """A copy of this layer, state and gradients, on `backend` (the forward's saved values stay)."""
         other = Conv2d(self.spec, backend, **backend_options)
         other.load_state_dict(self.state_dict())
         other.load_grad_dict(self.grad_dict())
         return other
+
+
+def _on_device(a: Any) -> bool:
+    device = getattr(a, "device", None)
+    return getattr(device, "type", "cpu") != "cpu"

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import Any, Union
 
 from conv2d.activations import Activation
 
 IntPair = Union[int, tuple[int, int]]
+
+# The fields that describe a call's input rather than the layer: the same layer runs
+# at any of them, and a layer saved at one loads at another.
+CALL_FIELDS = ("batch_size", "in_height", "in_width")
 
 
 class Normalization(str, Enum):
@@ -51,16 +55,22 @@ def _pair(name: str, value: Any) -> tuple[int, int]:
     raise ValueError(f"LayerSpec.{name}: expected an int or a pair of ints, got {value!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerSpec:
     """Everything that fixes a layer's shapes and semantics; hashable, so it keys caches.
+    Fields are keyword-only.
 
     Input `(N, H, W, C)` = (batch_size, in_height, in_width, in_channels); output
     `(N, OH, OW, OC)`; weights `(OC, KH, KW, IC)`. `kernel`, `stride` and `padding` take an
     int or an (H, W) pair and are stored as pairs; padding is symmetric zero padding.
+
+    `batch_size` is the batch a layer plans for (the CUDA backend builds its cuDNN plans
+    for it at construction, and `capture` records at it), or None for none: every call
+    takes any N >= 1, and any H, W the kernel fits (`at` gives the spec of such a call).
+    `bias=False` drops the bias parameter and its gradient.
     """
 
-    batch_size: int
+    batch_size: int | None = None
     in_height: int
     in_width: int
     in_channels: int
@@ -73,11 +83,14 @@ class LayerSpec:
     bn_momentum: float = 0.1
     bn_epsilon: float = 1e-5
     dtype: DType | str = DType.FLOAT32
+    bias: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         for name in ("batch_size", "in_height", "in_width", "in_channels", "out_channels"):
             value = getattr(self, name)
+            if name == "batch_size" and value is None:
+                continue
             if not _is_int(value) or value < 1:
                 raise ValueError(f"LayerSpec.{name}: expected an int >= 1, got {value!r}")
         kernel = _pair("kernel", self.kernel)
@@ -106,6 +119,8 @@ class LayerSpec:
             raise ValueError(f"LayerSpec.bn_epsilon: expected a finite number > 0, got {e!r}")
         set_(self, "bn_momentum", float(m))
         set_(self, "bn_epsilon", float(e))
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"LayerSpec.bias: expected a bool, got {self.bias!r}")
 
     # Derived sizes -------------------------------------------------------------------------
     @property
@@ -116,15 +131,40 @@ class LayerSpec:
     def out_width(self) -> int:
         return (self.in_width + 2 * self.padding[1] - self.kernel[1]) // self.stride[1] + 1
 
+    def _planned_batch(self) -> int:
+        if self.batch_size is None:
+            raise ValueError("LayerSpec.batch_size is None: this spec plans no batch; use spec.at(n) for the "
+                             "spec of a call with n samples")
+        return self.batch_size
+
     @property
     def input_shape(self) -> tuple[int, int, int, int]:
-        """`(N, H, W, C)`."""
-        return (self.batch_size, self.in_height, self.in_width, self.in_channels)
+        """`(N, H, W, C)` at the planned batch."""
+        return (self._planned_batch(), self.in_height, self.in_width, self.in_channels)
 
     @property
     def output_shape(self) -> tuple[int, int, int, int]:
-        """`(N, OH, OW, OC)`."""
-        return (self.batch_size, self.out_height, self.out_width, self.out_channels)
+        """`(N, OH, OW, OC)` at the planned batch."""
+        return (self._planned_batch(), self.out_height, self.out_width, self.out_channels)
+
+    def at(self, batch_size: int, in_height: int | None = None, in_width: int | None = None) -> "LayerSpec":
+        """This spec for a call on `batch_size` samples (and another input height and
+        width, if given): the same layer, validated again (the kernel must fit)."""
+        if (batch_size == self.batch_size and in_height in (None, self.in_height)
+                and in_width in (None, self.in_width)):
+            return self
+        return replace(self, batch_size=batch_size, in_height=self.in_height if in_height is None else in_height,
+                       in_width=self.in_width if in_width is None else in_width)
+
+    def differences(self, other: "LayerSpec", ignore: tuple[str, ...] = ()) -> dict[str, tuple[Any, Any]]:
+        """field -> (self's value, other's value) for every field that differs, except `ignore`."""
+        return {f.name: (getattr(self, f.name), getattr(other, f.name)) for f in fields(self)
+                if f.name not in ignore and getattr(self, f.name) != getattr(other, f.name)}
+
+    def same_layer(self, other: "LayerSpec") -> bool:
+        """Whether `other` describes the same parameters and semantics (the planned batch
+        and input size may differ)."""
+        return not self.differences(other, ignore=CALL_FIELDS)
 
     @property
     def weight_shape(self) -> tuple[int, int, int, int]:

@@ -14,11 +14,14 @@ from conv2d.spec import LayerSpec, Normalization
 def state_layout(spec: LayerSpec) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """name -> (shape, dtype) of every state entry the spec's layer has.
 
-    weights (OC, KH, KW, IC) and bias (OC,) in the storage dtype; with a norm, gamma and
-    beta (OC,) in the compute dtype; with batch norm, running_mean and running_var too.
+    weights (OC, KH, KW, IC) and, unless `bias=False`, bias (OC,) in the storage dtype; with
+    a norm, gamma and beta (OC,) in the compute dtype; with batch norm, running_mean and
+    running_var too.
     """
     st, ct, oc = storage_dtype(spec.dtype), compute_dtype(spec.dtype), spec.out_channels
-    layout = {"weights": (spec.weight_shape, st), "bias": ((oc,), st)}
+    layout = {"weights": (spec.weight_shape, st)}
+    if spec.bias:
+        layout["bias"] = ((oc,), st)
     if spec.normalization is not Normalization.NONE:
         layout["gamma"] = ((oc,), ct)
         layout["beta"] = ((oc,), ct)
@@ -28,9 +31,12 @@ def state_layout(spec: LayerSpec) -> dict[str, tuple[tuple[int, ...], np.dtype]]
     return layout
 
 
+RUNNING = ("running_mean", "running_var")
+
+
 def grad_layout(spec: LayerSpec) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Every parameter's gradient: the parameter's shape and dtype."""
-    return {k: v for k, v in state_layout(spec).items() if not k.startswith("running_")}
+    return {k: v for k, v in state_layout(spec).items() if k not in RUNNING}
 
 
 def initial_state(spec: LayerSpec) -> dict[str, np.ndarray]:

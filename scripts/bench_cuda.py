@@ -67,7 +67,7 @@ def ours(spec, x_host, dy_host, iters: int, eager: bool = True, autotune: bool =
 
     layer = Conv2d(spec, "cuda", autotune=autotune)
     layer.init_weights(np.random.default_rng(0))
-    impl = layer._impl
+    impl = layer.functions
     cuda, stream = impl.cuda, impl.stream
     x = cuda.to_device(to_device_bits(x_host), stream=stream)
     dy = cuda.to_device(to_device_bits(dy_host), stream=stream)

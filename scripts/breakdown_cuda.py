@@ -34,13 +34,13 @@ ROW_TRAFFIC = {"stats": 1, "apply": 2, "grads": 2, "dz": 3}
 
 def measure(spec, steps: int) -> tuple[dict[str, float], float, int]:
     from conv2d import Conv2d
-    from conv2d.cuda import backend, cudnn
+    from conv2d.cuda import cudnn
     from conv2d.cuda.launch import Launch
     from conv2d.cuda.runtime import to_device_bits
 
     layer = Conv2d(spec, "cuda")
     layer.init_weights(np.random.default_rng(0))
-    impl = layer._impl
+    impl = layer.functions
     cuda, stream = impl.cuda, impl.stream
     x_host, dy_host = inputs(spec)
     x = cuda.to_device(to_device_bits(x_host), stream=stream)
@@ -55,7 +55,7 @@ def measure(spec, steps: int) -> tuple[dict[str, float], float, int]:
     stream.synchronize()
 
     pieces: list[tuple[str, object, object]] = []
-    launch_call, execute_run, make_launch = Launch.__call__, cudnn.Execution.run, backend.CudaBackend._launch
+    launch_call, execute_run = Launch.__call__, cudnn.Execution.run
 
     def timed(label, run):
         start, end = cuda.event(), cuda.event()
@@ -64,18 +64,14 @@ def measure(spec, steps: int) -> tuple[dict[str, float], float, int]:
         end.record(stream)
         pieces.append((label, start, end))
 
-    def label_launch(self, key, make):
-        found = make_launch(self, key, make)
+    for (_, key), launch in impl.launches.items():
         label = key
         while isinstance(label, tuple):  # ((name, ...), narrow) for row kernels
             label = label[0]
-        found.label = label
-        return found
+        launch.label = label
 
-    Launch.__call__ = lambda self: timed(getattr(self, "label", "kernel"), lambda: launch_call(self))
+    Launch.__call__ = lambda self, **args: timed(getattr(self, "label", "kernel"), lambda: launch_call(self, **args))
     cudnn.Execution.run = lambda self: timed(self.graph.op, lambda: execute_run(self))
-    backend.CudaBackend._launch = label_launch
-    impl._launches.clear()  # prepared again, now labelled
     try:
         per = defaultdict(list)
         for _ in range(steps):
@@ -88,11 +84,10 @@ def measure(spec, steps: int) -> tuple[dict[str, float], float, int]:
             for label, ms in seen.items():
                 per[label].append(ms)
     finally:
-        Launch.__call__, cudnn.Execution.run, backend.CudaBackend._launch = launch_call, execute_run, make_launch
-        impl._launches.clear()
+        Launch.__call__, cudnn.Execution.run = launch_call, execute_run
 
     graph = layer.capture(x, dy)
-    return {k: statistics.median(v) for k, v in per.items()}, gpu_ms(cuda, stream, graph.replay, steps), impl.P
+    return {k: statistics.median(v) for k, v in per.items()}, gpu_ms(cuda, stream, graph.replay, steps), next(iter(impl._plans.values())).P
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ def main() -> None:
                 cudnn.HEUR_MODES = {**cudnn.HEUR_MODES, spec.dtype: (mode, "FALLBACK")}
                 cudnn._CACHE.clear()  # built again under this mode
                 t = time.perf_counter()
-                plans = Conv2d(spec, "cuda")._impl.conv.plans
+                plans = Conv2d(spec, "cuda").functions.conv_plans
                 build = time.perf_counter() - t
                 ms = ours(spec, x, dy, args.iters, eager=False)["graph"][0]
                 print(f"| {name} | {dtype} | {mode} | {ms:.3f} | {build:.2f} | {plans['forward']} "

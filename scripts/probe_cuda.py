@@ -66,35 +66,38 @@ def main() -> None:
 
     spec = bench_spec("tiny_latency", True, "float32")
     layer = Conv2d(spec, "cuda")
-    impl = layer._impl
+    impl = layer.functions
+    plan = next(iter(impl._plans.values()))  # the planned batch's shape
     cuda, stream, sync = impl.cuda, impl.stream, impl.stream.synchronize
 
     # 1. kernel launch
     rng = np.random.default_rng(0)
-    total, c = impl.total, impl.C
+    total, c = plan.total, plan.C
     z = cuda.to_device(rng.standard_normal(total).astype(np.float32))
     y1, y2 = cuda.device_array(total, np.float32), cuda.device_array(total, np.float32)
     stats = [cuda.to_device(rng.random(c).astype(np.float32) + 0.5) for _ in range(4)]
     d = impl._dummy
-    counter = cuda.to_device(np.zeros(1, np.int32))
+    counter = cuda.to_device(np.zeros(1 + K.phase_groups(plan.P), np.int32))
     kernel = impl.k.rows[K.WRITE_Y]
 
     def kernel_args(out):
-        return (z, z, out, *stats, d, False, np.float32(1), np.float32(0), np.float32(0), impl.M, c, impl.S,
-                *impl._col, counter, d, d, False)
-    launch = Launch(kernel, impl.P, K.ROW_THREADS, stream, kernel_args(y2))
+        return dict(z=z, d_y=z, out=out, mean=stats[0], inv_std=stats[1], gamma=stats[2], beta=stats[3], sums=d,
+                    batch_stats=False, count=np.float32(1), epsilon=np.float32(0), momentum=np.float32(0),
+                    M=plan.M, C=c, S=plan.S, out0=plan.col[0], out1=plan.col[1], counter=counter, acc0=d, acc1=d,
+                    accumulate=False)
+    launch = Launch(kernel, plan.P, K.ROW_THREADS, stream, kernel_args(y2))
     print(f"1. launch: numba dispatcher "
-          f"{host_us(lambda: kernel[impl.P, K.ROW_THREADS, stream](*kernel_args(y1)), sync):.1f} us, "
+          f"{host_us(lambda: kernel[plan.P, K.ROW_THREADS, stream](*kernel_args(y1).values()), sync):.1f} us, "
           f"prepared Launch {host_us(launch, sync):.1f} us (driver path: {launch.prepared}); bitwise equal: "
           f"{bool((y1.copy_to_host() == y2.copy_to_host()).all())}", flush=True)
 
     # 2. cuDNN execute
-    conv = impl.conv
+    conv = plan.conv
     execution = conv._executions["forward"]
     g = execution.graph
     x_dev = cuda.to_device(rng.standard_normal(spec.input_shape).astype(np.float32))
     out = cuda.device_array(spec.output_shape, np.float32)
-    arrays = {"x": x_dev, "w": impl.params["weights"], "b": impl.params["bias"], "y": out}
+    arrays = {"x": x_dev, "w": layer._params["weights"], "b": layer._params["bias"], "y": out}
     pack = {g.tensors[r]: device_pointer(a) for r, a in arrays.items()}
     ws = conv.workspace_ptr
     public = host_us(lambda: g.graph.execute(pack, ws, handle=conv.handle), sync)
@@ -123,16 +126,16 @@ def main() -> None:
                 times = []
                 for tuned in (False, True):
                     layer = Conv2d(spec, "cuda", autotune=tuned)
-                    p = layer._impl.params
-                    dev = layer._impl.dev_dt
+                    p = layer._params
+                    dev = layer.functions.dev_dt
                     dx = cuda.device_array(spec.input_shape, dev)
                     dw = cuda.device_array(int(np.prod(spec.weight_shape)), dev)
                     y = cuda.device_array(spec.output_shape, dev)
-                    c2 = layer._impl.conv
+                    c2 = next(iter(layer.functions._plans.values())).conv
                     run = {"forward": lambda: c2.forward(bufs["x"], p["weights"], p["bias"], y),
                            "backward_data": lambda: c2.backward_data(bufs["dy"], p["weights"], dx),
                            "backward_filter": lambda: c2.backward_filter(bufs["x"], bufs["dy"], dw)}[op]
-                    times.append((gpu_ms(cuda, layer._impl.stream, run), c2.plans[op]))
+                    times.append((gpu_ms(cuda, layer.functions.stream, run), c2.plans[op]))
                 cells.append(f"{op} {times[0][0]:.4f} [{times[0][1]}] -> {times[1][0]:.4f} [{times[1][1]}]")
             print(f"   {name} {dtype}: " + "; ".join(cells), flush=True)
 

@@ -34,7 +34,7 @@ def main() -> None:
     spec = bench_spec(args.shape, args.bn, args.dtype)
     layer = Conv2d(spec, "cuda")
     layer.init_weights(np.random.default_rng(0))
-    cuda, stream = layer._impl.cuda, layer._impl.stream
+    cuda, stream = layer.functions.cuda, layer.functions.stream
     x_host, dy_host = inputs(spec)
     x, dy = cuda.to_device(to_device_bits(x_host)), cuda.to_device(to_device_bits(dy_host))
 

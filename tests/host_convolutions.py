@@ -10,6 +10,8 @@ from conv2d.reference import conv
 
 
 class HostConvolutions:
+    """Made for one input shape, as cudnn.Convolutions: `spec` is the spec at that shape."""
+
     def __init__(self, spec):
         self.spec = spec
         self.st = storage_dtype(spec.dtype)
@@ -23,7 +25,8 @@ class HostConvolutions:
     def forward(self, x, w, b, y, relu=False):
         s = self.spec
         z = conv.conv_forward(self._get(x, s.input_shape), self._get(w, s.weight_shape), s.stride, s.padding)
-        z += self._get(b, (s.out_channels,))
+        if b is not None:
+            z += self._get(b, (s.out_channels,))
         self._put(np.maximum(z, 0) if relu else z, y, self.st)
 
     def backward_data(self, d_z, w, d_x):

@@ -80,10 +80,14 @@ def test_cuda_matches_the_float64_reference_on_identical_inputs(act, norm, dtype
 
 
 def _reference_d_pre(spec, layer, x, dy, training):
-    probe = Conv2d(spec)
-    probe.load_state_dict(layer.state_dict())
-    probe.forward(x, training=training)
-    return probe._impl._grad_pre_activations(dy)[0]
+    from conv2d.reference import functional as F
+    from conv2d.state import RUNNING
+
+    state = layer.state_dict()
+    params = {k: v for k, v in state.items() if k not in RUNNING}
+    running = {k: v for k, v in state.items() if k in RUNNING} or None
+    _, saved = F.forward(spec, params, x, training, running)
+    return F.grad_pre_activations(params, saved, dy)[0]
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -166,7 +170,7 @@ def test_torch_tensors_are_used_without_a_copy(dtype):
     x, _ = random_inputs(spec)
     tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     xt = torch.from_numpy(x.astype(np.float32)).to(device="cuda", dtype=tdt)
-    view = device_input(layer._impl.cuda, "x", xt, spec.input_shape, spec.dtype, layer._impl.stream)
+    view = device_input(layer.functions.cuda, "x", xt, spec.input_shape, spec.dtype, layer.functions.stream)
     assert view.__cuda_array_interface__["data"][0] == xt.data_ptr()
     torch.cuda.synchronize()
     np.testing.assert_array_equal(as_numpy(layer.forward(xt), storage_dtype(spec.dtype)),
@@ -181,7 +185,7 @@ def test_cupy_arrays_are_used_without_a_copy():
     layer = make_layer(spec, backend="cuda")
     x, _ = random_inputs(spec)
     xc = cp.asarray(x)
-    view = device_input(layer._impl.cuda, "x", xc, spec.input_shape, spec.dtype, layer._impl.stream)
+    view = device_input(layer.functions.cuda, "x", xc, spec.input_shape, spec.dtype, layer.functions.stream)
     assert view.__cuda_array_interface__["data"][0] == xc.data.ptr
     cp.cuda.Device().synchronize()
     np.testing.assert_array_equal(as_numpy(layer.forward(xc)), as_numpy(layer.forward(x)))
@@ -273,7 +277,7 @@ def test_the_callers_stream_carries_all_the_work():
     spec = spec_for("gelu", "batch_norm")
     theirs = torch.cuda.Stream()
     layer = make_layer(spec, backend="cuda", stream=theirs)
-    assert stream_handle(layer._impl.stream) == theirs.cuda_stream
+    assert stream_handle(layer.functions.stream) == theirs.cuda_stream
     x, dy = random_inputs(spec)
     with torch.cuda.stream(theirs):
         got = step(layer, x, dy)
@@ -340,7 +344,7 @@ def test_eager_launches_go_straight_to_the_driver():
     layer = make_layer(spec, backend="cuda")
     x, dy = random_inputs(spec)
     step(layer, x, dy)
-    launches = layer._impl._launches
+    launches = layer.functions.launches
     assert launches and all(launch.prepared for launch in launches.values()), \
         [k for k, launch in launches.items() if not launch.prepared]
 
@@ -351,13 +355,14 @@ def test_eager_outputs_are_fresh_arrays_each_call(norm):
 
     spec = spec_for("relu", norm)
     layer = make_layer(spec, backend="cuda")
-    x, dy = random_inputs(spec)
+    x, dy = _device_pair(spec, *random_inputs(spec))
     y1 = layer.forward(x)
     first = as_numpy(y1).copy()
     dx1 = layer.backward_full(x, dy)
     first_dx = as_numpy(dx1).copy()
-    y2 = layer.forward((2 * x).astype(x.dtype))
-    dx2 = layer.backward_full(x, (3 * dy).astype(dy.dtype))
+    x2, dy2 = _device_pair(spec, (2 * as_numpy(x)).astype(first.dtype), (3 * as_numpy(dy)).astype(first.dtype))
+    y2 = layer.forward(x2)
+    dx2 = layer.backward_full(x2, dy2)
     assert device_pointer(y1) != device_pointer(y2) and device_pointer(dx1) != device_pointer(dx2)
     np.testing.assert_array_equal(as_numpy(y1), first)
     np.testing.assert_array_equal(as_numpy(dx1), first_dx)
@@ -369,7 +374,7 @@ def test_autotuned_plans_match_the_reference_and_repeat_bitwise(dtype):
                     out_channels=16)
     x, dy = random_inputs(spec)
     a, b = make_layer(spec, backend="cuda", autotune=True), make_layer(spec, backend="cuda", autotune=True)
-    plans = a._impl.conv_plans
+    plans = a.functions.conv_plans
     assert {"forward", "backward_data", "backward_filter"} <= set(plans) and "?" not in plans.values(), plans
     ra, rb = step(a, x, dy), step(b, x, dy)
     np.testing.assert_array_equal(rb[0].view(np.uint8), ra[0].view(np.uint8))

@@ -28,7 +28,7 @@ CASES = ([(name, "float32", mode) for name in FILES for mode in MODES]
 
 
 def cuda_layer(spec, seed=0):
-    return make_layer(spec, seed, backend="cuda", convolutions=HostConvolutions(spec))
+    return make_layer(spec, seed, backend="cuda", convolutions=HostConvolutions)
 
 
 def assert_step_matches(ours, ref, x, dy):
@@ -50,7 +50,7 @@ def assert_grads_and_state_match(ours, ref, bias_atol=1e-5):
 def test_cuda_kernels_match_the_golden_files(name, dtype, mode):
     case = load_case(FILES[name])
     spec = case.spec_as(dtype)
-    got = run_case(case, dtype, mode, backend="cuda", convolutions=HostConvolutions(spec))
+    got = run_case(case, dtype, mode, backend="cuda", convolutions=HostConvolutions)
     check_case(case, got, dtype, mode)
 
 
@@ -178,10 +178,10 @@ def test_a_d_y_off_eight_byte_alignment_gives_the_same_bits(dtype):
     results = []
     for d_y in (aligned, offset):
         layer = cuda_layer(spec)
-        assert layer._impl.lanes > 1
+        assert layer.functions.lanes > 1
         layer.forward(x)
         results.append((as_numpy(layer.backward_full(x, d_y)), layer.grad_dict()))
-        narrow = [key[1] for key in layer._impl._launches if isinstance(key, tuple) and key[0][0] in ("grads", "dz")]
+        narrow = [key[1] for _, key in layer.functions.launches if isinstance(key, tuple) and key[0][0] in ("grads", "dz")]
         assert narrow and all(narrow) == (d_y is offset)
     np.testing.assert_array_equal(results[0][0], results[1][0])
     for k, g in results[0][1].items():

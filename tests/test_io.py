@@ -9,7 +9,7 @@ import pytest
 
 import conv2d
 from conftest import make_layer, random_inputs
-from conv2d import LayerSpec
+from conv2d import Conv2d, LayerSpec
 from conv2d.torch_layout import state_from_torch, state_to_torch, weights_from_torch, weights_to_torch
 
 SPEC = LayerSpec(batch_size=2, in_height=6, in_width=5, in_channels=3, out_channels=4, kernel=(3, 2),
@@ -49,9 +49,33 @@ def test_load_into_a_layer_of_another_spec_raises_and_leaves_it(tmp_path):
     _, path = saved(tmp_path)
     other = make_layer(dataclasses.replace(SPEC, out_channels=5))
     before = other.state_dict()
-    with pytest.raises(ValueError, match="does not match the layer's"):
+    with pytest.raises(ValueError, match=r"differs from the one loaded into in out_channels: file 4, layer 5$"):
         conv2d.load(path, into=other)
     np.testing.assert_array_equal(other.state_dict()["weights"], before["weights"])
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_a_layer_saved_at_one_batch_size_loads_into_a_layer_planned_for_another(tmp_path, backend):
+    if backend == "cuda":
+        from conftest import HAVE_GPU, NO_GPU_REASON
+        if not HAVE_GPU:
+            pytest.skip(NO_GPU_REASON)
+    layer, path = saved(tmp_path)
+    actor = Conv2d(dataclasses.replace(SPEC, batch_size=1), backend)
+    conv2d.load(path, into=actor)
+    for k, v in layer.state_dict().items():
+        np.testing.assert_array_equal(actor.state_dict()[k], v, err_msg=k)
+    assert conv2d.load(path, backend=backend).spec == SPEC
+
+
+def test_a_spec_mismatch_names_only_the_fields_that_differ(tmp_path):
+    _, path = saved(tmp_path)
+    other = make_layer(dataclasses.replace(SPEC, batch_size=7, activation="gelu", bn_momentum=0.3))
+    with pytest.raises(ValueError) as info:
+        conv2d.load(path, into=other)
+    message = str(info.value)
+    assert "activation" in message and "bn_momentum" in message
+    assert "batch_size" not in message and "in_channels" not in message and len(message) < 300
 
 
 def test_a_truncated_file_raises_a_clear_error(tmp_path):

@@ -9,7 +9,7 @@ eager kernels, so their results are bitwise those of the eager calls.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 
 def _driver():
@@ -29,29 +29,29 @@ def _check(what: str, result: Any) -> Any:
 class CapturedGraph:
     """One instantiated CUDA graph and what it reads and writes.
 
-    `inputs` are the device arrays the graph reads (x, and d_y for a step); `outputs`
-    the layer-owned arrays it writes (y, and d_x for a step).
+    `run()` does the work once, eagerly, on the stream `stream_ptr` and returns the
+    arrays it wrote (fixed buffers: the layer is frozen); `snapshot()` returns a function
+    that puts the layer back as it was. `inputs` are the device arrays the graph reads
+    (x, and d_y for a step); `outputs` what `run` returned (y, and d_x for a step).
     """
 
-    def __init__(self, backend, run, inputs: dict, outputs: dict) -> None:
+    def __init__(self, stream_ptr: int, synchronize: Callable[[], None], run: Callable[[], dict],
+                 snapshot: Callable[[], Callable[[], None]], inputs: dict) -> None:
         driver = _driver()
-        self._backend = backend
         self.inputs = inputs
-        self.outputs = outputs
-        stream = driver.CUstream(backend.stream_ptr)
+        stream = driver.CUstream(stream_ptr)
         self._stream = stream
         # Warm-up outside the capture: compiles the kernels and builds cuDNN's execution
         # caches, which may not allocate or load modules while capturing. It must leave
         # the layer as it was, so its state and gradients are put back.
-        state, grads = backend.get_state(), backend.get_grads()
+        restore = snapshot()
         run()
-        backend.set_state(state)
-        backend.set_grads(grads)
-        backend.stream.synchronize()
+        restore()
+        synchronize()
         _check("begin capture", driver.cuStreamBeginCapture(
             stream, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
         try:
-            run()
+            self.outputs = run()
         except BaseException:
             driver.cuStreamEndCapture(stream)
             raise

@@ -79,13 +79,24 @@ _BUILD_LOCK = threading.RLock()
 
 
 def create_handle(stream_ptr: int) -> Any:
+    """A cuDNN handle on the stream `stream_ptr`, created under the build lock (two threads
+    creating handles and workspaces together hung once on the H200)."""
     cudnn = _import_cudnn()
-    try:
-        handle = cudnn.create_handle()
-        cudnn.set_stream(handle, stream_ptr)
-    except Exception as e:
-        raise CudnnError(f"cuDNN create_handle: {e}") from e
+    with _BUILD_LOCK:
+        try:
+            handle = cudnn.create_handle()
+            cudnn.set_stream(handle, stream_ptr)
+        except Exception as e:
+            raise CudnnError(f"cuDNN create_handle: {e}") from e
     return handle
+
+
+def set_stream(handle: Any, stream_ptr: int) -> None:
+    """Point the handle's work at another stream."""
+    try:
+        _import_cudnn().set_stream(handle, stream_ptr)
+    except Exception as e:
+        raise CudnnError(f"cuDNN set_stream: {e}") from e
 
 
 @dataclass
@@ -202,8 +213,11 @@ def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autotune: An
             return g.tensor(name=role, dim=dim, stride=stride, data_type=dtype)
 
         if op in ("forward", "forward_relu"):
-            t = {"x": tensor("x"), "w": tensor("w"), "b": tensor("b")}
-            out = g.bias(input=g.conv_fprop(image=t["x"], weight=t["w"], **conv), bias=t["b"])
+            t = {"x": tensor("x"), "w": tensor("w")}
+            out = g.conv_fprop(image=t["x"], weight=t["w"], **conv)
+            if spec.bias:
+                t["b"] = tensor("b")
+                out = g.bias(input=out, bias=t["b"])
             if op == "forward_relu":
                 out = g.relu(input=out)
             out.set_output(True).set_data_type(dt)
@@ -294,7 +308,7 @@ def graph(op: str, spec: LayerSpec, device: int, allow_tf32: bool, handle: Any, 
     not), from the cache or built now. `autotune`, if given, times a plan (see `_autotune`).
     Threads asking for the same key wait for one build; other keys build in parallel."""
     # The convolutions do not depend on the activation or norm: key by what they read.
-    conv_key = (spec.input_shape, spec.out_channels, spec.kernel, spec.stride, spec.padding, spec.dtype)
+    conv_key = (spec.input_shape, spec.out_channels, spec.kernel, spec.stride, spec.padding, spec.dtype, spec.bias)
     key = (op, conv_key, device, bool(allow_tf32) and spec.dtype is DType.FLOAT32, autotune is not None)
     with _CACHE_LOCK:
         found = _CACHE.get(key)
@@ -311,23 +325,18 @@ def graph(op: str, spec: LayerSpec, device: int, allow_tf32: bool, handle: Any, 
     return found
 
 
-def cache_size() -> int:
-    with _CACHE_LOCK:
-        return len(_CACHE)
-
-
 class Convolutions:
-    """A layer's three convolutions through cuDNN, on its handle and stream, with one
-    workspace sized at construction for all of its graphs (it never grows, so a frozen
-    layer allocates nothing here).
+    """The three convolutions of one input shape through cuDNN (`spec` is the spec at that
+    shape), on a layer's handle, with one workspace sized at construction for all of its
+    graphs (it never grows, so a frozen layer allocates nothing here).
 
     Arguments are numba device arrays, NHWC/C-contiguous, in the layer's storage format:
-    `forward(x, w, b, y, relu)` writes y = [relu](conv(x, w) + b); `backward_data(d_z, w,
-    d_x)` writes d_x; `backward_filter(x, d_z, d_w)` writes d_w (storage format too).
-    `plans` names the cuDNN plan of each graph.
+    `forward(x, w, b, y, relu)` writes y = [relu](conv(x, w) + b) (b None without bias);
+    `backward_data(d_z, w, d_x)` writes d_x; `backward_filter(x, d_z, d_w)` writes d_w
+    (storage format too). `plans` names the cuDNN plan of each graph.
     """
 
-    def __init__(self, cuda, spec: LayerSpec, stream_ptr: int, device: int, allow_tf32: bool,
+    def __init__(self, cuda, spec: LayerSpec, handle: Any, stream_ptr: int, device: int, allow_tf32: bool,
                  relu_fusion: bool, autotune: bool = False) -> None:
         self.cuda = cuda
         ops = ["forward", "backward_data", "backward_filter"]
@@ -337,7 +346,7 @@ class Convolutions:
         # constructed layers together hung once, one in cudnnCreate, the other
         # allocating its workspace (tests/test_cuda.py, two-thread test).
         with _BUILD_LOCK:
-            self.handle = create_handle(stream_ptr)
+            self.handle = handle
             bench = _Bench(cuda, spec, stream_ptr, self.handle) if autotune else None
             self.graphs = {op: graph(op, spec, device, allow_tf32, self.handle, bench) for op in ops}
             size = max(g.workspace_size for g in self.graphs.values())
@@ -354,7 +363,10 @@ class Convolutions:
         e.run()
 
     def forward(self, x, w, b, y, relu: bool = False) -> None:
-        self._run("forward_relu" if relu else "forward", x=x, w=w, b=b, y=y)
+        if b is None:
+            self._run("forward_relu" if relu else "forward", x=x, w=w, y=y)
+        else:
+            self._run("forward_relu" if relu else "forward", x=x, w=w, b=b, y=y)
 
     def backward_data(self, d_z, w, d_x) -> None:
         self._run("backward_data", dy=d_z, w=w, dx=d_x)

@@ -5,8 +5,9 @@ argument, picks the overload and packs the arguments anew); a layer launches the
 kernels on the same buffers every step. `Launch` does that work once: it compiles the
 kernel for its arguments, lets numba pack them (`_Kernel._prepare_args`, so the layout
 is numba's own), keeps the packed values in ctypes slots, and launches with
-`cuLaunchKernel` on those slots. An argument that changes between calls (the caller's
-input, a fresh output) is swapped with `set`, which rewrites one slot.
+`cuLaunchKernel` on those slots. Arguments are named as the kernel names its parameters;
+one that changes between calls (the caller's input, a fresh output) is passed by name to
+the call, which rewrites its slot (nothing, when it is the array already there).
 
 In numba's CUDA simulator there is no driver: a `Launch` calls the dispatcher with its
 current arguments, so the orchestration above it runs unchanged in CI.
@@ -15,7 +16,8 @@ current arguments, so the orchestration above it runs unchanged in CI.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Sequence
+import inspect
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -38,26 +40,32 @@ class LaunchError(RuntimeError):
 class Launch:
     """One kernel with its grid, block, stream and arguments, ready to launch.
 
-    `args` are what the dispatcher would be called with: numba device arrays and scalars
-    (numpy scalar types or bool). `set(i, value)` replaces argument i by a device array
-    of the same shape and dtype, or a scalar of the same type.
+    `args` maps each of the kernel's parameter names to what the dispatcher would be
+    called with: numba device arrays (the kernels here index them flat, so each is
+    passed as its 1-D view) and scalars (numpy scalar types or bool).
+    `launch(name=value, ...)` replaces those arguments, each by a device array of the
+    same size and dtype or a scalar of the same type, and launches.
     """
 
     def __init__(self, kernel: Any, grid: int | tuple, block: int | tuple, stream: Any,
-                 args: Sequence[Any]) -> None:
+                 args: Mapping[str, Any]) -> None:
+        names = list(inspect.signature(kernel.py_func).parameters)
+        if set(names) != set(args):
+            raise ValueError(f"Launch of {kernel.py_func.__name__}: arguments {sorted(args)}, the kernel takes "
+                             f"{names}")
         self.kernel = kernel
         self.grid = _dim3(grid)
         self.block = _dim3(block)
         self.stream = stream
-        self.args = list(args)
+        self.names = names
+        self._index = {n: i for i, n in enumerate(names)}
+        self.args = [_flat(args[n]) for n in names]
         self._raw = None
         if not simulating():
             self._prepare()
 
     def _prepare(self) -> None:
         from cuda.bindings import driver
-
-        from conv2d.cuda.runtime import stream_handle
 
         kernel = self.kernel
         argtypes = tuple(kernel.typeof_pyval(a) for a in self.args)
@@ -93,29 +101,40 @@ class Launch:
         self._params = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(s) for s in slots])
         self._driver = driver
         self._function = driver.CUfunction(int(compiled._codelibrary.get_cufunc().handle))
-        self._cu_stream = driver.CUstream(stream_handle(self.stream))
-        self._raw = (self._function, *self.grid, *self.block, 0, self._cu_stream, ctypes.addressof(self._params), 0)
         self._name = getattr(kernel, "__name__", "kernel")
+        self.set_stream(self.stream)
 
     @property
     def prepared(self) -> bool:
         """Whether calls go straight to the driver (False: through numba's dispatcher)."""
         return self._raw is not None
 
-    def set(self, i: int, value: Any) -> None:
-        """Replace argument i: a device array of the same size and dtype (any shape: the
-        kernel sees it as it saw the array it was prepared with), or a scalar of the same
-        type."""
+    def set_stream(self, stream: Any) -> None:
+        """Launch on `stream` (a numba stream) from now on."""
+        from conv2d.cuda.runtime import stream_handle
+
+        self.stream = stream
+        if self._raw is not None or hasattr(self, "_function"):
+            cu_stream = self._driver.CUstream(stream_handle(stream))
+            self._raw = (self._function, *self.grid, *self.block, 0, cu_stream, ctypes.addressof(self._params), 0)
+
+    def _set(self, i: int, value: Any) -> None:
+        # The argument is kept (so that an identical one costs nothing next time, and its
+        # memory lives as long as a launch may read it).
+        prepared = self.args[i]
+        if value is prepared:
+            return
         if self._raw is None:
-            prepared = self.args[i]
             if getattr(value, "ndim", 0) != getattr(prepared, "ndim", 0):
                 value = value.reshape(prepared.shape)
-            self.args[i] = value
         else:
             slot = self._slots[self._slot[i]]
             slot.value = device_pointer(value) if hasattr(value, "device_ctypes_pointer") else value
+        self.args[i] = value
 
-    def __call__(self) -> None:
+    def __call__(self, **changes: Any) -> None:
+        for name, value in changes.items():
+            self._set(self._index[name], value)
         if self._raw is None:
             self.kernel[self.grid, self.block, self.stream](*self.args)
             return
@@ -123,6 +142,10 @@ class Launch:
         if err != self._driver.CUresult.CUDA_SUCCESS:
             _, name = self._driver.cuGetErrorName(err)
             raise LaunchError(f"launch of {self._name}: {name.decode() if isinstance(name, bytes) else name}")
+
+
+def _flat(a: Any) -> Any:
+    return a.reshape(a.size) if getattr(a, "ndim", 1) > 1 and hasattr(a, "reshape") else a
 
 
 def _dim3(d: int | tuple) -> tuple[int, int, int]:

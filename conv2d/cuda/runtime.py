@@ -114,54 +114,116 @@ def _torch_dtype_name(a: Any) -> str | None:
     return str(dt) if dt is not None and str(dt).startswith("torch.") else None
 
 
-def device_input(cuda, name: str, a: Any, shape: tuple[int, ...], dtype: DType, stream) -> Any:
-    """A numba device array for argument `a`, checked before any copy or launch.
+_TYPESTR = {"torch.float32": "<f4", "torch.float16": "<f2", "torch.bfloat16": "<u2"}
 
-    NumPy arrays are copied to the device (on `stream`); `__cuda_array_interface__`
-    objects and torch CUDA tensors (bfloat16 ones have no such interface) are used in
-    place. For bfloat16 layers a device array may also be uint16 holding bfloat16 bits.
-    """
-    st = storage_dtype(dtype)
-    dev_dt = device_dtype(dtype)
-    if isinstance(a, np.ndarray):
-        check_numpy(name, a, shape, st)
-        return cuda.to_device(to_device_bits(a), stream=stream)
+
+def _want(dtype: DType) -> str:
+    st, dev_dt = storage_dtype(dtype), device_dtype(dtype)
+    return f"{st}" + (" (or uint16 bfloat16 bits)" if dev_dt != st else "")
+
+
+def device_view(cuda, name: str, a: Any, dtype: DType, shape: tuple[int, ...] | None = None,
+                flat: bool = False) -> Any:
+    """A numba device array over the device array `a` (numba, torch CUDA, or any
+    `__cuda_array_interface__` object such as CuPy's), no copy, after checking its dtype
+    (the storage dtype, or uint16 bits for bfloat16), C-contiguity and, if given, `shape`
+    (with `flat`, its size alone); `flat` gives a 1-D view. Raises before any work."""
+    st, dev_dt = storage_dtype(dtype), device_dtype(dtype)
+    got_shape = tuple(int(v) for v in a.shape)
+    size = int(np.prod(got_shape))
+    if shape is not None and got_shape != tuple(shape) and not (flat and size == int(np.prod(shape))):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {describe(a)}")
     if hasattr(a, "copy_to_host") and hasattr(a, "is_c_contiguous"):
         # numba's own device arrays: checked from their attributes and used as they are.
-        got = np.dtype(a.dtype)
-        if tuple(a.shape) != tuple(shape):
-            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {describe(a)}")
-        if got != dev_dt:
-            want = f"{st}" + (" (as uint16 bfloat16 bits)" if dev_dt != st else "")
-            raise TypeError(f"{name}: expected dtype {want}, got {describe(a)} (nothing is cast silently)")
+        if np.dtype(a.dtype) != dev_dt:
+            raise TypeError(f"{name}: expected dtype {_want(dtype)}, got {describe(a)} (nothing is cast silently)")
         if not a.is_c_contiguous():
             raise ValueError(f"{name}: expected a C-contiguous array, got strides {tuple(a.strides)} (bytes)")
-        return a
+        return a.reshape(size) if flat and a.ndim != 1 else a
     torch_dt = _torch_dtype_name(a)
-    if torch_dt == "torch.bfloat16":
-        if DType(dtype) is not DType.BFLOAT16:
-            raise TypeError(f"{name}: expected dtype {st}, got {describe(a)}")
-        if tuple(a.shape) != tuple(shape):
-            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {describe(a)}")
+    if torch_dt is not None:
         if not a.is_cuda:
-            raise TypeError(f"{name}: expected a CUDA tensor or a NumPy array, got a CPU tensor")
+            raise TypeError(f"{name}: expected a CUDA tensor, a device array or a NumPy array, got a CPU tensor")
+        typestr = _TYPESTR.get(torch_dt)
+        if typestr is None or np.dtype(typestr) not in (st, dev_dt) or (torch_dt == "torch.bfloat16") != (
+                dev_dt != st):
+            raise TypeError(f"{name}: expected dtype {st}, got {describe(a)} (nothing is cast silently)")
         if not a.is_contiguous():
             raise ValueError(f"{name}: expected a C-contiguous array, got strides {tuple(a.stride())} (elements)")
-        iface = {"shape": tuple(shape), "typestr": "<u2", "data": (a.data_ptr(), False), "version": 2,
-                 "strides": None}
+        iface = {"shape": (size,) if flat else got_shape, "typestr": typestr, "data": (a.data_ptr(), False),
+                 "version": 2, "strides": None}
         return cuda.from_cuda_array_interface(iface, owner=a, sync=False)
     if hasattr(a, "__cuda_array_interface__"):
         iface = a.__cuda_array_interface__
-        got_shape = tuple(iface["shape"])
         got_dt = np.dtype(iface["typestr"])
-        if got_shape != tuple(shape):
-            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {describe(a)}")
-        if got_dt != dev_dt and not (got_dt == st):
-            want = f"{st}" + (" (or uint16 bfloat16 bits)" if dev_dt != st else "")
-            raise TypeError(f"{name}: expected dtype {want}, got {describe(a)} (nothing is cast silently)")
+        if got_dt != dev_dt and got_dt != st:
+            raise TypeError(f"{name}: expected dtype {_want(dtype)}, got {describe(a)} (nothing is cast silently)")
         strides = iface.get("strides")
         if strides is not None and tuple(strides) != c_contiguous_strides(got_shape, got_dt.itemsize):
             raise ValueError(f"{name}: expected a C-contiguous array, got strides {tuple(strides)} (bytes)")
-        return cuda.as_cuda_array(a, sync=False)
+        view = cuda.as_cuda_array(a, sync=False)
+        return view.reshape(size) if flat and view.ndim != 1 else view
     raise TypeError(f"{name}: expected a numpy.ndarray or a device array with __cuda_array_interface__, "
                     f"got {describe(a)}")
+
+
+def device_input(cuda, name: str, a: Any, shape: tuple[int, ...], dtype: DType, stream) -> Any:
+    """A numba device array for argument `a` of exactly `shape`, checked before any copy
+    or launch: NumPy arrays are copied to the device (on `stream`); device arrays (numba,
+    torch CUDA tensors, `__cuda_array_interface__` objects) are used in place."""
+    if isinstance(a, np.ndarray):
+        check_numpy(name, a, shape, storage_dtype(dtype))
+        return cuda.to_device(to_device_bits(a), stream=stream)
+    if not hasattr(a, "shape"):
+        raise TypeError(f"{name}: expected a numpy.ndarray or a device array with __cuda_array_interface__, "
+                        f"got {describe(a)}")
+    return device_view(cuda, name, a, dtype, shape)
+
+
+class _Interface:
+    """A `__cuda_array_interface__` over memory another object owns (kept alive here)."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str, owner: Any) -> None:
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False),
+                                         "version": 2, "strides": None, "stream": None}
+        self.owner = owner
+
+
+def torch_tensor_over(a: Any, ptr: int, shape: tuple[int, ...], dtype: DType) -> Any:
+    """A torch CUDA tensor over the device memory of numba array `a` (at `ptr`), no copy;
+    bfloat16 as torch.bfloat16 (viewed from its 16-bit integer bits)."""
+    import torch
+
+    bf16 = DType(dtype) is DType.BFLOAT16
+    typestr = "<i2" if bf16 else storage_dtype(dtype).str
+    t = torch.as_tensor(_Interface(ptr, shape, typestr, a), device="cuda")
+    return t.view(torch.bfloat16) if bf16 else t
+
+
+def torch_dtype(dtype: DType) -> Any:
+    import torch
+
+    return {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}[DType(dtype)]
+
+
+def torch_current_stream(t: Any) -> int:
+    """The CUstream of torch's current stream on tensor t's device, as an int."""
+    import torch
+
+    return int(torch.cuda.current_stream(t.device).cuda_stream)
+
+
+def zero_fill(cuda, a: Any, stream) -> None:
+    """a[...] = 0 on `stream` (a memset; in numba's simulator, a host write)."""
+    if simulating():
+        a.copy_to_device(np.zeros(a.shape, a.dtype))
+        return
+    from cuda.bindings import driver
+
+    from conv2d.cuda.launch import device_pointer
+
+    nbytes = int(a.size) * a.dtype.itemsize
+    if nbytes:
+        err, = driver.cuMemsetD8Async(device_pointer(a), 0, nbytes, driver.CUstream(stream_handle(stream)))
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemsetD8Async: {err}")

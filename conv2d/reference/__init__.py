@@ -1,5 +1,8 @@
-"""The NumPy reference backend: readable, exact in float64, the oracle for the GPU path."""
+"""The NumPy reference backend: readable, exact in float64, the oracle for the GPU path.
 
-from conv2d.reference.backend import ReferenceBackend
+`conv.py` and `norm.py` hold the pieces; `functional.py` the layer's forward and backward
+over explicit arrays, and `Functions`, what `Conv2d(spec, backend="reference")` runs on."""
 
-__all__ = ["ReferenceBackend"]
+from conv2d.reference.functional import Functions, Saved, backward, forward
+
+__all__ = ["Functions", "Saved", "backward", "forward"]

@@ -1,0 +1,93 @@
+"""The caller's array library: which library an array comes from, NumPy views of host
+arrays, and host results handed back in the caller's library.
+
+NumPy in gives NumPy out; a torch CPU tensor in gives torch CPU tensors out, through
+zero-copy views both ways (`Tensor.numpy()` and `torch.from_numpy`). NumPy has no
+bfloat16 of its own: bfloat16 host arrays are `ml_dtypes.bfloat16`, and a torch bfloat16
+tensor is viewed through its 16-bit integer bits. torch is imported only when the caller
+brought a tensor. The CUDA backend's device arrays are handled in `conv2d.cuda.runtime`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from conv2d.checks import describe
+
+NUMPY, TORCH, CUPY, NUMBA, CUDA_ARRAY = "numpy", "torch", "cupy", "numba", "cuda_array_interface"
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def library(a: Any) -> str | None:
+    """Which array library `a` belongs to: "numpy", "torch", "cupy", "numba", or
+    "cuda_array_interface" for any other device array; None for anything else."""
+    if isinstance(a, np.ndarray):
+        return NUMPY
+    root = type(a).__module__.partition(".")[0]
+    if root in (TORCH, CUPY, NUMBA):
+        return root
+    if hasattr(a, "__cuda_array_interface__"):
+        return CUDA_ARRAY
+    return None
+
+
+def host_array(name: str, a: Any) -> tuple[np.ndarray, str]:
+    """(a NumPy view of `a`, its library) for a NumPy array or a torch CPU tensor; no copy."""
+    lib = library(a)
+    if lib == NUMPY:
+        return a, lib
+    if lib == TORCH and hasattr(a, "device"):
+        if a.device.type != "cpu":
+            raise TypeError(f"{name}: expected a NumPy array or a torch CPU tensor (this backend runs on the CPU), "
+                            f"got a tensor on {a.device}")
+        import torch
+
+        t = a.detach()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(BFLOAT16), lib
+        return t.numpy(), lib
+    raise TypeError(f"{name}: expected a numpy.ndarray or a torch CPU tensor, got {describe(a)}")
+
+
+def to_library(a: np.ndarray, lib: str) -> Any:
+    """The host result `a` in library `lib` ("numpy" or "torch"), without a copy."""
+    if lib != TORCH:
+        return a
+    import torch
+
+    if a.dtype == BFLOAT16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def same_memory(a: Any, b: Any) -> bool:
+    """Whether two arrays of any library are the same object or view the same memory
+    with the same shape and dtype."""
+    if a is b:
+        return True
+    if library(a) != library(b) or tuple(getattr(a, "shape", ())) != tuple(getattr(b, "shape", ())):
+        return False
+    return _address(a) == _address(b) and str(a.dtype) == str(b.dtype)
+
+
+def _address(a: Any) -> int | None:
+    if isinstance(a, np.ndarray):
+        return a.__array_interface__["data"][0]
+    if hasattr(a, "data_ptr"):
+        return a.data_ptr()
+    iface = getattr(a, "__cuda_array_interface__", None)
+    return None if iface is None else iface["data"][0]
+
+
+def equal_host_arrays(a: Any, b: Any) -> bool:
+    """Whether two host arrays (NumPy or torch CPU) hold the same values, bit for bit."""
+    try:
+        x, _ = host_array("a", a)
+        y, _ = host_array("b", b)
+    except TypeError:
+        return False
+    return (x.shape == y.shape and x.dtype == y.dtype
+            and np.array_equal(np.ascontiguousarray(x).view(np.uint8), np.ascontiguousarray(y).view(np.uint8)))

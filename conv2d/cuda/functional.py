@@ -1,0 +1,610 @@
+"""The layer's two functions on the GPU: `Functions(spec, ...)` with `forward`,
+`evaluate` and `backward` over explicit parameters, running statistics and a `Saved`
+object, the same names as `conv2d/reference/functional.py`.
+
+cuDNN (conv2d/cuda/cudnn.py) runs the three convolutions; the numba kernels
+(conv2d/cuda/kernels.py) the norm, activation and bias gradient. Batch statistics are
+one pass of sums shifted by the channel's first value (sum(z - s), sum((z - s)^2)), where
+the reference takes two passes; both are within the dtype's tolerance of the oracle.
+
+Any input shape (N, H, W) the kernel fits is taken: each new one gets a `_Plan` (its
+cuDNN graphs and workspace, reduction scratch and prepared launches), built on first use
+and cached (at most `max_shapes`, least recently used dropped; the spec's batch_size is
+planned at construction). Every call runs on one stream: the layer's own (or the one it
+was given), or torch's current stream for torch tensors when the layer was given none;
+the cuDNN handle and the prepared launches follow it, and a switch orders the new stream
+after the old one. Arrays:
+
+- inputs `x` (N, H, W, C) and `d_y` (N, OH, OW, OC): NumPy arrays (copied to the device,
+  results copied back: NumPy out) or device arrays (torch CUDA tensors, CuPy, numba, any
+  `__cuda_array_interface__`), read in place; outputs in the input's library (torch
+  tensors from torch's allocator, bfloat16 as torch.bfloat16; CuPy and numba arrays hold
+  bfloat16 as uint16 bits, neither having a bfloat16 type).
+- `params` ("weights", "bias" if the spec has it, "gamma"/"beta" with a norm), `running`
+  ("running_mean"/"running_var") and gradient arrays: device arrays of the state layout's
+  shapes (or flat), storage dtype for weights and bias, float32 for the norm's, read
+  and written in place.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from conv2d.arrays import CUPY, NUMPY, TORCH, library
+from conv2d.checks import input_spec
+from conv2d.cuda import cudnn, kernels as K
+from conv2d.cuda.launch import Launch, device_pointer
+from conv2d.cuda.memory import OutputAllocator
+from conv2d.cuda.runtime import (as_stream, device_dtype, device_input, device_view, from_device_bits, numba_cuda,
+                                 require_gpu, stream_handle, to_device_bits, torch_current_stream, torch_dtype,
+                                 torch_tensor_over, zero_fill)
+from conv2d.dtypes import storage_dtype
+from conv2d.spec import DType, LayerSpec, Normalization
+from conv2d.state import RUNNING, grad_layout, state_layout
+
+
+class Saved:
+    """What `backward` needs from one `forward`: the call's spec (its N, H, W), the input
+    (a device array), the pre-activations (flat, storage format), the norm's mean and
+    inv_std (float32; per channel or per sample) and whether they came from the batch.
+    Its device buffers go back to the shape's free list when it is dropped; a frozen
+    layer's are fixed, and `generation` tells whether a later forward overwrote them."""
+
+    __slots__ = ("spec", "x", "pre", "mean", "inv_std", "batch_stats", "owner", "generation", "_plan",
+                 "_buffers")
+
+    def __init__(self, owner: "Functions", plan: "_Plan", x: Any, buffers: tuple, batch_stats: bool,
+                 generation: int | None) -> None:
+        self.spec, self.x, self.batch_stats, self.owner = plan.spec, x, batch_stats, owner
+        self.pre, self.mean, self.inv_std = buffers
+        self.generation = generation
+        self._plan = plan
+        self._buffers = buffers if generation is None else None
+
+    def __del__(self) -> None:
+        if self._buffers is not None:
+            self._plan.free_saved.append(self._buffers)
+
+
+class _Plan:
+    """One input shape of a layer: the spec at that shape, its cuDNN convolutions, the
+    reduction scratch, prepared launches, free saved buffers, and once frozen the fixed
+    buffers."""
+
+    def __init__(self, fn: "Functions", spec: LayerSpec) -> None:
+        cuda, f32 = fn.cuda, np.float32
+        alloc = cuda.device_array
+        n, oh, ow, oc = spec.output_shape
+        self.spec = spec
+        self.M, self.C, self.S = n * oh * ow, oc, oh * ow * oc
+        self.total = self.M * self.C
+        self.groups = {Normalization.BATCH_NORM: oc, Normalization.LAYER_NORM: n}.get(spec.normalization, 1)
+        self.P = K.row_partition(self.M, self.C)
+        self.Q = K.segment_partition(self.S)
+        self.conv = fn._convolutions(spec)
+        # Reduction scratch: the row kernels' partials (one row a block, then one a group
+        # of blocks), the per-sample partials of layer norm, the totals.
+        rows = self.P + K.phase_groups(self.P)
+        self.col = (alloc(rows * oc, f32), alloc(rows * oc, f32))
+        self.seg = (alloc(self.Q * n, f32), alloc(self.Q * n, f32))
+        self.sums_col = alloc(2 * oc, f32)
+        self.sums_seg = alloc(2 * n, f32)
+        self.d_z = alloc(self.total, fn.dev_dt)
+        self.d_w = alloc(int(np.prod(spec.weight_shape)), fn.dev_dt)
+        self.launches: dict[Any, Launch] = {}
+        self.free_saved: list[tuple] = []
+        self.eval_buffers: tuple | None = None
+        self.frozen: dict[str, Any] | None = None
+        self.generation = 0
+        self.wrapped: dict = {}  # frozen outputs as torch tensors, made once
+
+    def saved_buffers(self, fn: "Functions") -> tuple:
+        alloc, f32 = fn.cuda.device_array, np.float32
+        return alloc(self.total, fn.dev_dt), alloc(self.groups, f32), alloc(self.groups, f32)
+
+
+class Functions:
+    """The CUDA backend's functions for one spec; see the module docstring."""
+
+    name = "cuda"
+
+    def __init__(self, spec: LayerSpec, stream: Any = None, allow_tf32: bool = False, autotune: bool = False,
+                 convolutions: Callable[[LayerSpec], Any] | None = None, max_shapes: int = 8) -> None:
+        """`stream`: the caller's stream (numba, torch or cupy stream, or a CUstream int);
+        by default a new one, and torch's current stream for torch tensors. `allow_tf32`:
+        let float32 convolutions use TF32 tensor cores. `autotune`: time every
+        deterministic cuDNN plan of each convolution once per process and use the fastest
+        (else cuDNN's heuristic choice). `convolutions`: a stand-in for cuDNN, called with
+        the spec of an input shape, with `cudnn.Convolutions`' methods (tests use one in
+        numba's simulator, where cuDNN cannot run). `max_shapes`: input shapes kept planned."""
+        if spec.dtype is DType.FLOAT64:
+            raise ValueError("dtype: float64 is the reference backend's oracle type; the CUDA backend takes "
+                             "float32, float16 or bfloat16")
+        for name, value in (("allow_tf32", allow_tf32), ("autotune", autotune)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}: expected a bool, got {value!r}")
+        if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 1:
+            raise ValueError(f"max_shapes: expected an int >= 1, got {max_shapes!r}")
+        cuda = numba_cuda() if convolutions is not None else require_gpu()
+        self.cuda = cuda
+        self.spec = spec
+        self.stream_given = stream is not None
+        self.stream = as_stream(cuda, stream)
+        self._current = self.stream  # the stream of the last call
+        self._capture_stream = None  # the stream every call uses while a graph is captured
+        self.relu_fusion = spec.normalization is Normalization.NONE and spec.activation.value == "relu"
+        if convolutions is None:
+            handle = cudnn.create_handle(stream_handle(self.stream))
+            self._handle = handle
+            device = cuda.get_current_device().id
+            convolutions = lambda s: cudnn.Convolutions(cuda, s, handle, stream_handle(self.stream), device,  # noqa: E731
+                                                        allow_tf32, self.relu_fusion, autotune)
+        else:
+            self._handle = None
+        self._convolutions = convolutions
+        # Row-kernel threads keep `lanes` channels read with one 8-byte load; d_y that is
+        # not 8-byte aligned (a caller's offset view) is read one value at a time by the
+        # same sums in the same order (`narrow`), so results do not depend on it.
+        self.lanes = K.lanes_for(spec.dtype.value, spec.out_channels) if K.WIDE_ROWS else 1
+        kinds = (spec.dtype.value, spec.activation, spec.normalization, self.lanes)
+        self.k = K.kernel_set(*kinds, self.lanes > 1)
+        self._narrow = K.kernel_set(*kinds, False) if self.lanes > 1 else self.k
+        self.dev_dt = device_dtype(spec.dtype)
+        self.st = storage_dtype(spec.dtype)
+        self.max_shapes = max_shapes
+        self._plans: OrderedDict[tuple, _Plan] = OrderedDict()
+        self._lock = threading.RLock()
+        self._dummy = cuda.device_array(1, np.float32)  # stands for absent arrays in kernel arguments
+        self._allocator = OutputAllocator(cuda, self.stream)
+        self._views: dict = {}  # caller arrays -> checked flat device views, by identity
+        self._frozen = False
+        if spec.batch_size is not None:
+            self._plan(spec)
+
+    @property
+    def conv_plans(self) -> dict[str, str]:
+        """The cuDNN plan (engine name) of each convolution graph of the planned (else the
+        last) input shape."""
+        with self._lock:
+            if not self._plans:
+                return {}
+            plan = self._plans.get(self._key(self.spec)) if self.spec.batch_size else None
+            plan = plan or next(reversed(self._plans.values()))
+            return dict(getattr(plan.conv, "plans", {}))
+
+    @property
+    def launches(self) -> dict[tuple, Launch]:
+        """Every prepared kernel launch, keyed by (input shape (N, H, W), launch name)."""
+        with self._lock:
+            return {(shape, key): launch for shape, plan in self._plans.items() for key, launch in plan.launches.items()}
+
+    # Shapes --------------------------------------------------------------------------------
+    @staticmethod
+    def _key(spec: LayerSpec) -> tuple[int, int, int]:
+        return (spec.batch_size, spec.in_height, spec.in_width)
+
+    def _plan(self, call: LayerSpec) -> _Plan:
+        key = self._key(call)
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        if self._frozen:
+            raise RuntimeError(f"x: the layer is frozen and has no plan for input shape {call.input_shape} "
+                               f"(planned: {[p.spec.input_shape for p in self._plans.values()]}); a new shape "
+                               f"needs device memory")
+        plan = self._plans[key] = _Plan(self, call)
+        while len(self._plans) > self.max_shapes:
+            self._plans.popitem(last=False)
+        return plan
+
+    # Arrays --------------------------------------------------------------------------------
+    def check_input(self, name: str, x: Any) -> LayerSpec:
+        """The call's spec for input `x`, after the checks `forward` makes of it."""
+        return self._input(name, x)[0]
+
+    def _input(self, name: str, a: Any) -> tuple[LayerSpec, Any, str]:
+        """(call spec, device array, library) of an input (N, H, W, C), checked."""
+        lib = library(a)
+        if self._frozen and lib == NUMPY:
+            raise RuntimeError(f"{name}: the layer is frozen; pass a device array (a NumPy array would be "
+                               f"copied into newly allocated device memory)")
+        call = input_spec(name, a, self.spec)
+        return call, device_input(self.cuda, name, a, call.input_shape, self.spec.dtype, self.stream), lib
+
+    def _arrays(self, group: str, arrays: Mapping[str, Any] | None, names: list[str]) -> dict[str, Any]:
+        """Flat device views of the caller's arrays `names` (state layout shapes, or flat),
+        checked once per set of array objects."""
+        if not isinstance(arrays, Mapping) or set(arrays) != set(names):
+            got = sorted(arrays) if isinstance(arrays, Mapping) else arrays
+            raise ValueError(f"{group}: expected keys {names}, got {got!r}")
+        key = (group, *(id(arrays[k]) for k in names))
+        found = self._views.get(key)
+        if found is not None:
+            return found[1]
+        layout = state_layout(self.spec)
+        views = {}
+        for k in names:
+            a = arrays[k]
+            shape, dt = layout[k]
+            if isinstance(a, np.ndarray) or not hasattr(a, "shape"):
+                raise TypeError(f"{group}[{k!r}]: expected a device array (the CUDA backend reads and writes "
+                                f"them in place), got {type(a).__name__}")
+            views[k] = device_view(self.cuda, f"{group}[{k!r}]", a, self.spec.dtype if dt == self.st else
+                                   DType.FLOAT32, shape, flat=True)
+        if len(self._views) >= 16:
+            self._views.pop(next(iter(self._views)))
+        self._views[key] = ([arrays[k] for k in names], views)  # the originals pin the ids
+        return views
+
+    def _params(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        return self._arrays("params", params, [k for k in state_layout(self.spec) if k not in RUNNING])
+
+    def _running(self, running: Mapping[str, Any] | None, need: bool) -> dict[str, Any] | None:
+        if self.spec.normalization is not Normalization.BATCH_NORM or (running is None and not need):
+            return None
+        return self._arrays("running", running, list(RUNNING))
+
+    # Streams -------------------------------------------------------------------------------
+    def _enter(self, lib: str, a: Any) -> Any:
+        """The stream of a call with arrays of library `lib` (`a` one of them), switched to."""
+        stream = self._capture_stream or self.stream
+        if lib == TORCH and not self.stream_given and self._capture_stream is None:
+            ptr = torch_current_stream(a)
+            if ptr != stream_handle(self._current):
+                stream = self.cuda.external_stream(ptr) if ptr else self.cuda.default_stream()
+            else:
+                stream = self._current
+        if stream is not self._current:
+            self._switch(stream)
+        return stream
+
+    def _switch(self, stream: Any) -> None:
+        # The new stream waits for what the old one was given (the scratch and free
+        # buffers are shared), then the handle and launches move to it.
+        event = self.cuda.event(timing=False)
+        event.record(self._current)
+        event.wait(stream)
+        if self._handle is not None:
+            cudnn.set_stream(self._handle, stream_handle(stream))
+        for plan in self._plans.values():
+            for launch in plan.launches.values():
+                launch.set_stream(stream)
+        self._current = stream
+
+    # Outputs -------------------------------------------------------------------------------
+    def _output(self, plan: _Plan, name: str, shape: tuple[int, ...], lib: str, like: Any) -> tuple[Any, Any]:
+        """(device array the kernels write, what the caller gets) for output `name`."""
+        if plan.frozen is not None:
+            arr = plan.frozen[name]
+            if lib == TORCH:
+                wrapped = plan.wrapped.get(name)
+                if wrapped is None:
+                    wrapped = plan.wrapped[name] = torch_tensor_over(arr, device_pointer(arr), shape,
+                                                                     self.spec.dtype)
+                return arr, wrapped
+        elif lib == TORCH:
+            import torch
+
+            t = torch.empty(shape, dtype=torch_dtype(self.spec.dtype), device=like.device)
+            return device_view(self.cuda, name, t, self.spec.dtype), t
+        else:
+            arr = self._allocator.array(shape, self.dev_dt)
+        if lib == CUPY:
+            import cupy
+
+            return arr, cupy.asarray(arr)
+        return arr, arr
+
+    def _result(self, out: Any, lib: str, stream: Any) -> Any:
+        """NumPy callers get a host copy (after the stream finishes); others `out`."""
+        if lib != NUMPY:
+            return out
+        host = out.copy_to_host(stream=stream)
+        stream.synchronize()
+        return from_device_bits(host, self.st)
+
+    # Launches ------------------------------------------------------------------------------
+    def _rows(self, plan: _Plan, key: Any, kind: int, narrow: bool = False, **args: Any) -> None:
+        """A row kernel (kernels.rows) over the plan's (M, C) values, its partials in
+        plan.col and phase two folded in; `args` by the kernel's names (arrays that change
+        per call, and the scalars `batch_stats`, `count`, `accumulate`, fixed per key);
+        `narrow`: one load a value (for inputs that are not 8-byte aligned)."""
+        launch = plan.launches.get((key, narrow))
+        if launch is None:
+            s, d = self.spec, self._dummy
+            counter = self.cuda.to_device(np.zeros(1 + K.phase_groups(plan.P), np.int32), stream=self._current)
+            full = dict(z=d, d_y=d, out=d, mean=d, inv_std=d, gamma=d, beta=d, sums=d, batch_stats=False,
+                        count=np.float32(1.0), epsilon=np.float32(s.bn_epsilon),
+                        momentum=np.float32(s.bn_momentum), M=plan.M, C=plan.C, S=plan.S, out0=plan.col[0],
+                        out1=plan.col[1], counter=counter, acc0=d, acc1=d, accumulate=False)
+            full.update({k: (np.float32(v) if k == "count" else v) for k, v in args.items()})
+            kernel = (self._narrow if narrow else self.k).rows[kind]
+            plan.launches[(key, narrow)] = Launch(kernel, plan.P, K.ROW_THREADS, self._current, full)
+            plan.launches[(key, narrow)]()
+            return
+        plan.launches[(key, narrow)](**{k: v for k, v in args.items() if k not in ("batch_stats", "count",
+                                                                                    "accumulate")})
+
+    def _launch(self, plan: _Plan, key: Any, kernel: Any, grid: Any, block: Any, **args: Any) -> None:
+        """A prepared launch of `kernel` named `key` in the plan; `args` by name (all of
+        them: the first call prepares it, later ones swap what changed)."""
+        launch = plan.launches.get(key)
+        if launch is None:
+            launch = plan.launches[key] = Launch(kernel, grid, block, self._current, args)
+            launch()
+            return
+        launch(**args)
+
+    def _norm(self, p: dict) -> dict[str, Any]:
+        d = self._dummy
+        return {"gamma": p.get("gamma", d), "beta": p.get("beta", d)}
+
+    # Forward -------------------------------------------------------------------------------
+    def _statistics(self, plan: _Plan, p: dict, r: dict | None, z: Any, stats: tuple, training: bool,
+                    keep: bool) -> bool:
+        """Fill stats = (mean, inv_std) from z; returns whether they came from the batch."""
+        s, norm, d = self.spec, self.spec.normalization, self._dummy
+        mean, inv_std = stats
+        if norm is Normalization.NONE:
+            return False
+        eps, mom = np.float32(s.bn_epsilon), np.float32(s.bn_momentum)
+        if norm is Normalization.BATCH_NORM and not training:
+            self._launch(plan, ("running", keep), self.k.running_stats, *K.small_grid(plan.C),
+                         running_mean=r["running_mean"], running_var=r["running_var"], epsilon=eps, mean=mean,
+                         inv_std=inv_std)
+            return False
+        if norm is Normalization.BATCH_NORM:
+            update = r is not None
+            self._rows(plan, ("stats", keep, update), K.SUM_STATS, z=z, mean=mean, inv_std=inv_std, count=plan.M,
+                       acc0=r["running_mean"] if update else d, acc1=r["running_var"] if update else d,
+                       accumulate=update)
+            return True
+        n = plan.spec.batch_size
+        self._launch(plan, ("seg_stats", keep), self.k.segment_partials[K.SUM_STATS], (n, plan.Q), K.SEG_THREADS,
+                     z=z, d_y=z, mean=d, inv_std=d, **self._norm(p), C=plan.C, S=plan.S, out0=plan.seg[0],
+                     out1=plan.seg[1])
+        self._launch(plan, ("seg_stats_final", keep), self.k.stats_final, n, K.WARP, p0=plan.seg[0],
+                     p1=plan.seg[1], P=plan.Q, G=n, z=z, S=plan.S, count=np.float32(plan.S), epsilon=eps,
+                     momentum=mom, mean=mean, inv_std=inv_std, running_mean=d, running_var=d, update=False)
+        return True
+
+    def _run(self, plan: _Plan, p: dict, r: dict | None, x: Any, y: Any, buffers: tuple, training: bool,
+             keep: bool) -> bool:
+        z, mean, inv_std = buffers
+        plan.conv.forward(x, p["weights"], p.get("bias"), z)
+        from_batch = self._statistics(plan, p, r, z, (mean, inv_std), training, keep)
+        self._rows(plan, ("apply", keep), K.WRITE_Y, z=z, out=y, mean=mean, inv_std=inv_std, **self._norm(p))
+        return from_batch
+
+    def forward(self, params: Mapping[str, Any], x: Any, training: bool,
+                running: Mapping[str, Any] | None = None) -> tuple[Any, Saved]:
+        """(y (N, OH, OW, OC), saved) for input x (N, H, W, C). Batch norm in training
+        normalises with the batch's statistics and updates `running` in place (if given);
+        otherwise it uses `running`."""
+        if not isinstance(training, bool):
+            raise TypeError(f"training: expected a bool, got {training!r}")
+        with self._lock:
+            call, x_dev, lib = self._input("x", x)
+            p = self._params(params)
+            r = self._running(running, need=not training)
+            plan = self._plan(call)
+            stream = self._enter(lib, x)
+            y_dev, y = self._output(plan, "y", call.output_shape, lib, x)
+            if plan.frozen is not None:
+                buffers = plan.frozen["saved"]
+                plan.generation += 1
+                generation = plan.generation
+            else:
+                buffers = plan.free_saved.pop() if plan.free_saved else plan.saved_buffers(self)
+                generation = None
+            from_batch = self._run(plan, p, r, x_dev, y_dev, buffers, training, keep=True)
+            return self._result(y, lib, stream), Saved(self, plan, x_dev, buffers, from_batch, generation)
+
+    def evaluate(self, params: Mapping[str, Any], x: Any, running: Mapping[str, Any] | None = None) -> Any:
+        """forward(training=False)'s y, keeping nothing."""
+        with self._lock:
+            call, x_dev, lib = self._input("x", x)
+            p = self._params(params)
+            r = self._running(running, need=True)
+            plan = self._plan(call)
+            stream = self._enter(lib, x)
+            y_dev, y = self._output(plan, "y", call.output_shape, lib, x)
+            if self.relu_fusion:
+                plan.conv.forward(x_dev, p["weights"], p.get("bias"), y_dev, relu=True)
+            else:
+                if plan.eval_buffers is None:
+                    plan.eval_buffers = plan.saved_buffers(self)
+                self._run(plan, p, r, x_dev, y_dev, plan.eval_buffers, False, keep=False)
+            return self._result(y, lib, stream)
+
+    def pre_activations(self, saved: Saved) -> np.ndarray:
+        """A read-only host copy of the saved pre-activations (N, OH, OW, OC)."""
+        with self._lock:
+            self._check_saved(saved)
+            host = from_device_bits(saved.pre.copy_to_host(stream=self._current), self.st)
+            self._current.synchronize()
+        host = host.reshape(saved.spec.output_shape)
+        host.flags.writeable = False
+        return host
+
+    # Backward ------------------------------------------------------------------------------
+    def _check_saved(self, saved: Any) -> None:
+        if not isinstance(saved, Saved) or saved.owner is not self:
+            raise TypeError(f"saved: expected the Saved of a forward of these functions, got {type(saved).__name__}")
+        if saved.generation is not None and saved.generation != saved._plan.generation:
+            raise RuntimeError("saved: a later forward of this frozen layer overwrote this forward's saved values "
+                               "(a frozen layer keeps one forward's, in fixed buffers); call forward again")
+
+    def _gradients(self, accumulate: Mapping[str, Any] | None, lib: str, like: Any) -> tuple[dict, Any]:
+        """(flat device gradient arrays the kernels add into, what the caller gets)."""
+        names = list(grad_layout(self.spec))
+        if accumulate is not None:
+            return self._arrays("accumulate", accumulate, names), accumulate
+        layout = grad_layout(self.spec)
+        views, out = {}, {}
+        for k in names:
+            shape, dt = layout[k]
+            if lib == TORCH:
+                import torch
+
+                t = torch.zeros(shape, dtype=torch_dtype(self.spec.dtype) if dt == self.st else torch.float32,
+                                device=like.device)
+                views[k], out[k] = device_view(self.cuda, k, t, self.spec.dtype if dt == self.st else DType.FLOAT32,
+                                               flat=True), t
+            else:
+                a = self.cuda.device_array(int(np.prod(shape)), self.dev_dt if dt == self.st else dt,
+                                           stream=self._current)
+                zero_fill(self.cuda, a, self._current)
+                views[k] = a
+                out[k] = a.reshape(shape)
+        return views, out
+
+    def backward(self, params: Mapping[str, Any], saved: Saved, d_y: Any, want_params: bool = True,
+                 want_input: bool = True, accumulate: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
+        """(grads, d_x) of the forward that gave `saved`, for d_y (N, OH, OW, OC) of its shape.
+
+        grads: {"weights", "bias", "gamma", "beta"} as the spec has them, new arrays in the
+        library of d_y (device arrays; NumPy copies for a NumPy d_y), or, with `accumulate`
+        (device arrays of the same keys), added into those in place and returned; None
+        unless `want_params`. d_x (N, H, W, C), new, or None unless `want_input`."""
+        with self._lock:
+            self._check_saved(saved)
+            plan, call, norm = saved._plan, saved.spec, self.spec.normalization
+            lib = library(d_y)
+            if self._frozen and lib == NUMPY:
+                raise RuntimeError("d_y: the layer is frozen; pass a device array (a NumPy array would be "
+                                   "copied into newly allocated device memory)")
+            d_y_dev = device_input(self.cuda, "d_y", d_y, call.output_shape, self.spec.dtype, self.stream)
+            p = self._params(params)
+            stream = self._enter(lib, d_y)
+            g, grads = self._gradients(accumulate, lib, d_y) if want_params else ({}, None)
+            d = self._dummy
+            mean, inv_std = (saved.mean, saved.inv_std) if norm is not Normalization.NONE else (d, d)
+            sums, count = d, 1.0
+            narrow = self.lanes > 1 and device_pointer(d_y_dev) % 8 != 0
+            batch_stats = saved.batch_stats
+            if norm is not Normalization.NONE:
+                # Per channel: sum d_a and sum d_a * x_hat, the beta and gamma gradients, and
+                # for batch norm with batch statistics also what its backward needs.
+                self._rows(plan, ("grads", want_params), K.SUM_GRADS, narrow, z=saved.pre, d_y=d_y_dev,
+                           out=plan.d_z, mean=mean, inv_std=inv_std, **self._norm(p), sums=plan.sums_col,
+                           acc0=g.get("beta", d), acc1=g.get("gamma", d), accumulate=want_params)
+                if norm is Normalization.LAYER_NORM:
+                    n = call.batch_size
+                    self._launch(plan, "seg_grads", self.k.segment_partials[K.SUM_GRADS], (n, plan.Q),
+                                 K.SEG_THREADS, z=saved.pre, d_y=d_y_dev, mean=mean, inv_std=inv_std,
+                                 **self._norm(p), C=plan.C, S=plan.S, out0=plan.seg[0], out1=plan.seg[1])
+                    self._launch(plan, "seg_grads_final", self.k.partials_final, n, K.WARP, p0=plan.seg[0],
+                                 p1=plan.seg[1], P=plan.Q, G=n, sums=plan.sums_seg)
+                    sums, count = plan.sums_seg, plan.S
+                elif batch_stats:
+                    sums, count = plan.sums_col, plan.M
+            # d_z through the activation and the norm, and in the same pass its per-channel
+            # sums: the bias gradient.
+            bias_grad = want_params and self.spec.bias
+            self._rows(plan, ("dz", batch_stats, bias_grad), K.WRITE_DZ, narrow, z=saved.pre, d_y=d_y_dev,
+                       out=plan.d_z, mean=mean, inv_std=inv_std, **self._norm(p), sums=sums,
+                       batch_stats=batch_stats, count=count, acc0=g.get("bias", d), accumulate=bias_grad)
+            d_x = None
+            if want_input:
+                d_x_dev, d_x = self._output(plan, "d_x", call.input_shape, lib, d_y)
+                plan.conv.backward_data(plan.d_z, p["weights"], d_x_dev)
+            if want_params:
+                if accumulate is None:
+                    plan.conv.backward_filter(saved.x, plan.d_z, g["weights"])
+                else:
+                    plan.conv.backward_filter(saved.x, plan.d_z, plan.d_w)
+                    total = plan.d_w.size
+                    self._launch(plan, "accumulate_w", self.k.accumulate_stored, *K.elementwise_grid(total),
+                                 grad=g["weights"], new=plan.d_w, total=total)
+            if lib == NUMPY:
+                if grads is not None and accumulate is None:
+                    grads = self._host(grads)
+                d_x = None if d_x is None else self._result(d_x, lib, stream)
+            return grads, d_x
+
+    def _host(self, arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        layout = grad_layout(self.spec)
+        out = {k: from_device_bits(a.copy_to_host(stream=self._current), layout[k][1]).reshape(layout[k][0])
+               for k, a in arrays.items()}
+        self._current.synchronize()
+        return out
+
+    # Memory: the layer's arrays are flat numba device arrays ----------------------------------
+    def from_host(self, values: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        with self._lock:
+            arrays = {k: self.cuda.device_array(v.size, self.dev_dt if v.dtype == self.st else v.dtype)
+                      for k, v in values.items()}
+            self.write(arrays, values)
+            return arrays
+
+    def write(self, arrays: Mapping[str, Any], values: Mapping[str, np.ndarray]) -> None:
+        with self._lock:
+            for k, v in values.items():
+                arrays[k].copy_to_device(np.ascontiguousarray(to_device_bits(v)).reshape(-1), stream=self._current)
+            self._current.synchronize()
+
+    def read(self, arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        layout = state_layout(self.spec)
+        with self._lock:
+            out = {k: from_device_bits(a.copy_to_host(stream=self._current), layout[k][1]).reshape(layout[k][0])
+                   for k, a in arrays.items()}
+            self._current.synchronize()
+        return out
+
+    def zero(self, arrays: Mapping[str, Any]) -> None:
+        with self._lock:
+            for a in arrays.values():
+                zero_fill(self.cuda, a, self._current)
+
+    # Freezing and capture ------------------------------------------------------------------
+    def freeze(self) -> None:
+        """Forbid allocation from now on: every planned shape gets fixed buffers for its
+        outputs (y, d_x) and saved values, overwritten by the next call of the same
+        operation; new input shapes are refused. Freezing a frozen layer changes nothing."""
+        with self._lock:
+            if self._frozen:
+                return
+            alloc = self.cuda.device_array
+            for plan in self._plans.values():
+                s = plan.spec
+                plan.frozen = {"y": alloc(s.output_shape, self.dev_dt), "d_x": alloc(s.input_shape, self.dev_dt),
+                               "saved": plan.saved_buffers(self)}
+                if plan.eval_buffers is None:
+                    plan.eval_buffers = plan.saved_buffers(self)
+            self._frozen = True
+
+    def _capture(self, run: Callable[[], dict], inputs: dict, snapshot: Callable) -> Any:
+        from conv2d.cuda.capture import CapturedGraph
+
+        for name, a in inputs.items():
+            if isinstance(a, np.ndarray):
+                raise TypeError(f"{name}: a captured graph reads fixed device buffers; pass a device array "
+                                f"(e.g. numba.cuda.to_device(x)), got a numpy.ndarray")
+        call = self._input("x", inputs["x"])[0]
+        if "d_y" in inputs:
+            device_view(self.cuda, "d_y", inputs["d_y"], self.spec.dtype, call.output_shape)
+        with self._lock:
+            self._plan(call)
+            self.freeze()
+            self._enter(NUMPY, None)  # the layer's own stream
+            self._capture_stream = self.stream
+            try:
+                return CapturedGraph(stream_handle(self.stream), self.stream.synchronize, run, snapshot, inputs)
+            finally:
+                self._capture_stream = None
+
+    def capture(self, run: Callable[[], dict], inputs: dict, snapshot: Callable) -> Any:
+        """A CUDA graph of `run` (a layer's forward(training=True) + backward_full on the
+        device arrays `inputs`), captured on the layer's stream; see conv2d/cuda/capture.py."""
+        return self._capture(run, inputs, snapshot)
+
+    def capture_evaluate(self, run: Callable[[], dict], inputs: dict, snapshot: Callable) -> Any:
+        """A CUDA graph of `run` (a layer's evaluate on the device array inputs["x"])."""
+        return self._capture(run, inputs, snapshot)
+

@@ -1,0 +1,348 @@
+"""The functional core and the layer over it, on both backends: any batch size (and input
+size) at every call, explicit per-call state, caller-owned parameters, the checks that
+keep a backward honest, outputs in the caller's library, and bias-free layers.
+
+"cuda" runs the CUDA backend: with cuDNN on a GPU, else its kernels in numba's simulator
+with the reference standing in for cuDNN (tests/host_convolutions.py)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import conv2d
+from conftest import HAVE_GPU, make_layer, random_inputs
+from conv2d import Conv2d, LayerSpec
+from conv2d.dtypes import storage_dtype
+from conv2d.host import as_numpy
+from conv2d.state import RUNNING
+
+BACKENDS = ["reference", "cuda"]
+NORMS = ["none", "batch_norm", "layer_norm"]
+
+
+def spec_for(norm="batch_norm", backend="reference", batch_size=4, **kw):
+    fields = dict(batch_size=batch_size, in_height=5, in_width=4, in_channels=2, out_channels=3, kernel=3,
+                  padding=1, activation="tanh", normalization=norm,
+                  dtype="float64" if backend == "reference" else "float32")
+    fields.update(kw)
+    return LayerSpec(**fields)
+
+
+def layer_on(backend, spec, seed=0):
+    if backend == "cuda":
+        pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (the test extra brings it)")
+        if HAVE_GPU:
+            return make_layer(spec, seed, backend="cuda")
+        from host_convolutions import HostConvolutions
+        return make_layer(spec, seed, backend="cuda", convolutions=HostConvolutions)
+    return make_layer(spec, seed)
+
+
+def inputs_at(spec, n, seed=1):
+    return random_inputs(dataclasses.replace(spec, batch_size=n), seed)
+
+
+def train_step(layer, x, dy):
+    st = storage_dtype(layer.spec.dtype)
+    y = as_numpy(layer.forward(x, training=True), st).copy()
+    dx = as_numpy(layer.backward_full(x, dy), st).copy()
+    return y, dx, layer.grad_dict(), layer.state_dict()
+
+
+def assert_same(got, want, exact):
+    for a, b, name in zip(got[:2], want[:2], ("y", "d_x")):
+        if exact:
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
+        else:
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-12, err_msg=name)
+    for i in (2, 3):
+        for k in want[i]:
+            if exact:
+                np.testing.assert_array_equal(got[i][k].view(np.uint8), want[i][k].view(np.uint8), err_msg=k)
+            else:
+                np.testing.assert_allclose(got[i][k], want[i][k], rtol=0, atol=1e-12, err_msg=k)
+
+
+# Any batch size -----------------------------------------------------------------------------
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_any_batch_size_equals_a_layer_planned_for_it(backend, n, norm):
+    spec = spec_for(norm, backend, batch_size=4)
+    x, dy = inputs_at(spec, n)
+    ours = layer_on(backend, spec)
+    planned = layer_on(backend, dataclasses.replace(spec, batch_size=n))
+    st = storage_dtype(spec.dtype)
+    np.testing.assert_array_equal(as_numpy(ours.evaluate(x), st), as_numpy(planned.evaluate(x), st))
+    assert_same(train_step(ours, x, dy), train_step(planned, x, dy), exact=backend == "cuda")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_sizes_alternate_through_the_same_weights(backend):
+    # RL: act with batch 1, train with batch 4, act again, all on one layer.
+    spec = spec_for("batch_norm", backend, batch_size=4)
+    layer, alone = layer_on(backend, spec), layer_on(backend, spec)
+    obs, _ = inputs_at(spec, 1, seed=5)
+    x, dy = inputs_at(spec, 4)
+    st = storage_dtype(spec.dtype)
+    layer.evaluate(obs)
+    got = train_step(layer, x, dy)
+    assert_same(got, train_step(alone, x, dy), exact=True)  # acting changed nothing
+    np.testing.assert_array_equal(as_numpy(layer.evaluate(obs), st), as_numpy(alone.evaluate(obs), st))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_other_input_heights_and_widths_are_accepted(backend):
+    spec = spec_for("layer_norm", backend)
+    other = dataclasses.replace(spec, in_height=7, in_width=3)
+    x, dy = random_inputs(other)
+    layer, planned = layer_on(backend, spec), layer_on(backend, other)
+    assert_same(train_step(layer, x, dy), train_step(planned, x, dy), exact=backend == "cuda")
+    assert layer.pre_activations.shape == other.output_shape
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_input_the_kernel_does_not_fit_is_refused_naming_x(backend):
+    layer = layer_on(backend, spec_for("none", backend, kernel=3, padding=0))
+    x = np.zeros((2, 2, 4, 2), storage_dtype(layer.spec.dtype))
+    with pytest.raises(ValueError, match=r"^x: the kernel \(3, 3\) with padding \(0, 0\) does not fit an input of "
+                                         r"height 2 and width 4"):
+        layer.forward(x)
+
+
+def test_a_spec_may_plan_no_batch():
+    spec = spec_for("batch_norm", batch_size=None)
+    layer = make_layer(spec)
+    x, dy = inputs_at(spec, 3)
+    layer.forward(x)
+    assert layer.backward_full(x, dy).shape == x.shape
+    with pytest.raises(ValueError, match="batch_size is None"):
+        spec.input_shape
+
+
+def test_spec_fields_are_keyword_only():
+    with pytest.raises(TypeError):
+        LayerSpec(2, 5, 4, 2, 3)
+
+
+# Saved values belong to one forward ---------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_with_an_input_other_than_the_last_forwards_raises(backend):
+    spec = spec_for("batch_norm", backend)
+    layer = layer_on(backend, spec)
+    s, dy = inputs_at(spec, 4, seed=1)
+    s_next, _ = inputs_at(spec, 4, seed=2)
+    layer.forward(s)
+    layer.forward(s_next)  # Q(s) then Q(s') before one backward, as in DQN
+    before = layer.grad_dict()
+    with pytest.raises(ValueError, match="^x: not the input of the last forward"):
+        layer.backward(s, dy)
+    for k, g in layer.grad_dict().items():
+        np.testing.assert_array_equal(g, before[k], err_msg=k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_accepts_an_equal_copy_of_a_host_input(backend):
+    spec = spec_for("none", backend)
+    a, b = layer_on(backend, spec), layer_on(backend, spec)
+    x, dy = inputs_at(spec, 2)
+    a.forward(x)
+    b.forward(x)
+    a.backward(x.copy(), dy)
+    b.backward(x, dy)
+    for k, g in a.grad_dict().items():
+        np.testing.assert_array_equal(g, b.grad_dict()[k], err_msg=k)
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "init_weights", "parameters_changed"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_after_the_parameters_changed_raises(backend, change):
+    spec = spec_for("batch_norm", backend)
+    layer = layer_on(backend, spec)
+    x, dy = inputs_at(spec, 4)
+    layer.forward(x)
+    if change == "load_state_dict":
+        layer.load_state_dict(layer_on(backend, spec, seed=7).state_dict())
+    elif change == "init_weights":
+        layer.init_weights(np.random.default_rng(3))
+    else:
+        layer.parameters_changed()
+    for call in (lambda: layer.backward(x, dy), lambda: layer.backward_input(dy)):
+        with pytest.raises(RuntimeError, match="the parameters changed"):
+            call()
+    layer.forward(x)
+    layer.backward(x, dy)  # a new forward is fine
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resetting_running_statistics_keeps_the_forward_usable(backend):
+    spec = spec_for("batch_norm", backend)
+    layer = layer_on(backend, spec)
+    x, dy = inputs_at(spec, 4)
+    layer.forward(x)
+    layer.reset_running_stats()
+    layer.backward(x, dy)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pre_activations_are_read_only_and_cannot_change_the_next_backward(backend):
+    spec = spec_for("batch_norm", backend)
+    layer, twin = layer_on(backend, spec), layer_on(backend, spec)
+    x, dy = inputs_at(spec, 4)
+    layer.forward(x)
+    twin.forward(x)
+    pre = layer.pre_activations
+    with pytest.raises(ValueError, match="read-only"):
+        pre[...] = 0
+    layer.backward(x, dy)
+    twin.backward(x, dy)
+    for k, g in layer.grad_dict().items():
+        np.testing.assert_array_equal(g, twin.grad_dict()[k], err_msg=k)
+
+
+# The functions themselves -------------------------------------------------------------------
+def test_functions_read_caller_owned_parameters_and_update_running_statistics_in_place():
+    spec = spec_for("batch_norm")
+    layer = make_layer(spec)
+    state = layer.state_dict()
+    params = {k: v for k, v in state.items() if k not in RUNNING}
+    running = {k: v for k, v in state.items() if k in RUNNING}
+    running_before = {k: v.copy() for k, v in running.items()}
+    x, dy = inputs_at(spec, 3)
+    fn = layer.functions
+    y, saved = fn.forward(params, x, True, running)
+    grads, d_x = fn.backward(params, saved, dy)
+    np.testing.assert_array_equal(y, layer.forward(x))
+    np.testing.assert_array_equal(d_x, layer.backward_full(x, dy))
+    for k, g in layer.grad_dict().items():
+        np.testing.assert_array_equal(grads[k], g, err_msg=k)
+    for k, v in layer.state_dict().items():
+        if k in RUNNING:
+            np.testing.assert_array_equal(running[k], v, err_msg=k)  # updated in place, like the layer's
+            assert not np.array_equal(running[k], running_before[k])
+
+
+def test_backward_gives_fresh_gradients_each_call_and_accumulates_only_when_asked():
+    spec = spec_for("layer_norm")
+    layer = make_layer(spec)
+    state = layer.state_dict()
+    x, dy = inputs_at(spec, 2)
+    fn = layer.functions
+    _, saved = fn.forward(state, x, True)
+    first, _ = fn.backward(state, saved, dy, want_input=False)
+    again, _ = fn.backward(state, saved, dy, want_input=False)
+    acc = {k: np.zeros_like(v) for k, v in first.items()}
+    fn.backward(state, saved, dy, want_input=False, accumulate=acc)
+    fn.backward(state, saved, dy, want_input=False, accumulate=acc)
+    for k in first:
+        np.testing.assert_array_equal(again[k], first[k], err_msg=k)
+        np.testing.assert_allclose(acc[k], 2 * first[k], rtol=1e-15, err_msg=k)
+
+
+def test_functions_refuse_parameters_of_the_wrong_shape_naming_them():
+    spec = spec_for("none")
+    layer = make_layer(spec)
+    params = layer.state_dict()
+    params["weights"] = params["weights"][:, :, :, :1]
+    x, _ = inputs_at(spec, 2)
+    with pytest.raises(ValueError, match=r"params\['weights'\]: expected shape \(3, 3, 3, 2\)"):
+        layer.functions.forward(params, x, True)
+
+
+# Outputs in the caller's library ------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_torch_cpu_tensors_through_the_reference_give_torch_tensors_without_copies(dtype):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    spec = spec_for("batch_norm", dtype=dtype)
+    layer = make_layer(spec)
+    x, dy = inputs_at(spec, 3)
+    tdt = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    xt = torch.from_numpy(x.astype(np.float32)).to(tdt)
+    dyt = torch.from_numpy(dy.astype(np.float32)).to(tdt)
+    y = layer.forward(xt)
+    assert isinstance(y, torch.Tensor) and y.dtype == tdt and tuple(y.shape) == spec.at(3).output_shape
+    saved_x = layer._saved.x
+    assert saved_x.__array_interface__["data"][0] == xt.data_ptr()  # the input was viewed, not copied
+    d_x = layer.backward_full(xt, dyt)
+    assert isinstance(d_x, torch.Tensor) and d_x.dtype == tdt and tuple(d_x.shape) == tuple(xt.shape)
+    ref = make_layer(spec)
+    x, dy = as_numpy(xt), as_numpy(dyt)
+    np.testing.assert_array_equal(as_numpy(y), ref.forward(x))
+    np.testing.assert_array_equal(as_numpy(d_x), ref.backward_full(x, dy))
+    assert isinstance(layer.evaluate(xt), torch.Tensor)
+
+
+def test_the_reference_refuses_a_cuda_tensor_saying_it_runs_on_the_cpu():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    layer = make_layer(spec_for("none"))
+    meta = torch.empty((2, 5, 4, 2), dtype=torch.float64, device="meta")
+    with pytest.raises(TypeError, match="^x: expected a NumPy array or a torch CPU tensor.*meta"):
+        layer.forward(meta)
+
+
+# bias=False ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("norm", NORMS)
+def test_a_layer_without_bias_matches_pytorch_conv2d_without_bias(norm):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    spec = spec_for(norm, activation="gelu", bias=False)
+    layer = make_layer(spec)
+    state = layer.state_dict()
+    assert "bias" not in state and "bias" not in layer.grad_dict()
+    x, dy = inputs_at(spec, 3)
+    conv = torch.nn.Conv2d(2, 3, 3, padding=1, bias=False).double()
+    with torch.no_grad():
+        conv.weight.copy_(torch.from_numpy(state["weights"].transpose(0, 3, 1, 2)))
+    xt = torch.from_numpy(x).permute(0, 3, 1, 2).requires_grad_(True)
+    z = conv(xt)
+    if norm == "batch_norm":
+        z = torch.nn.functional.batch_norm(z, None, None, torch.from_numpy(state["gamma"]),
+                                           torch.from_numpy(state["beta"]), training=True, eps=spec.bn_epsilon)
+    elif norm == "layer_norm":
+        zn = (z - z.mean(dim=(1, 2, 3), keepdim=True)) / torch.sqrt(
+            z.var(dim=(1, 2, 3), unbiased=False, keepdim=True) + spec.bn_epsilon)
+        z = zn * torch.from_numpy(state["gamma"]).view(1, -1, 1, 1) + torch.from_numpy(state["beta"]).view(1, -1, 1, 1)
+    want = torch.nn.functional.gelu(z)
+    want.backward(torch.from_numpy(dy).permute(0, 3, 1, 2))
+    y = layer.forward(x)
+    d_x = layer.backward_full(x, dy)
+    np.testing.assert_allclose(y, want.detach().permute(0, 2, 3, 1).numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(d_x, xt.grad.permute(0, 2, 3, 1).numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(layer.grad_dict()["weights"], conv.weight.grad.permute(0, 2, 3, 1).numpy(),
+                               rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_layer_without_bias_equals_one_with_a_zero_bias(backend):
+    spec = spec_for("none", backend, activation="relu")
+    with_bias, without = layer_on(backend, spec), layer_on(backend, dataclasses.replace(spec, bias=False))
+    state = with_bias.state_dict()
+    state["bias"][...] = 0
+    with_bias.load_state_dict(state)
+    without.load_state_dict({k: v for k, v in state.items() if k != "bias"})
+    x, dy = inputs_at(spec, 2)
+    a, b = train_step(with_bias, x, dy), train_step(without, x, dy)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    np.testing.assert_array_equal(a[2]["weights"], b[2]["weights"])
+    st = storage_dtype(spec.dtype)
+    np.testing.assert_array_equal(as_numpy(with_bias.evaluate(x), st), as_numpy(without.evaluate(x), st))
+
+
+def test_a_layer_without_bias_saves_and_loads(tmp_path):
+    spec = spec_for("batch_norm", bias=False)
+    layer = make_layer(spec)
+    conv2d.save(layer, tmp_path / "l.npz")
+    loaded = conv2d.load(tmp_path / "l.npz")
+    assert loaded.spec == spec and set(loaded.state_dict()) == set(layer.state_dict())
+    with pytest.raises(ValueError, match="bias: file False, layer True"):
+        conv2d.load(tmp_path / "l.npz", into=make_layer(dataclasses.replace(spec, bias=True)))
+
+
+def test_layer_from_another_backend_moves_without_its_forward():
+    spec = spec_for("none")
+    layer = make_layer(spec)
+    x, _ = inputs_at(spec, 2)
+    layer.forward(x)
+    assert Conv2d(spec).pre_activations is None
+    assert layer.to("reference").pre_activations is None
