@@ -3,13 +3,16 @@
 as a CUDA graph on both sides, plus a batch sweep of rl_small.
 
     python scripts/bench_cuda.py [--shapes a,b] [--dtypes float32,bfloat16] [--iters 20]
-                                 [--sweep 1,2,4,...] [--out DIR]
+                                 [--sweep 1,2,4,...] [--no-tuned] [--out DIR]
 
 PyTorch runs nn.Conv2d (+ nn.BatchNorm2d) + nn.ReLU in channels_last with
 cudnn.deterministic = True and TF32 off, as ours. Each side runs with cuDNN's heuristic
 plan choice (ours by default, PyTorch's cudnn.benchmark = False), and once more, eager
 and as CUDA graphs, with plans autotuned among the deterministic ones (ours
-`autotune=True`, PyTorch's cudnn.benchmark = True): a second table. GPU time: CUDA
+`autotune=True`, PyTorch's cudnn.benchmark = True): a second table (unless --no-tuned).
+A third table steps each layer at a second batch size (a quarter of the planned one, 8
+for batch 1) without a new layer: ours planned for the shape's batch, eager and captured
+at the second, beside PyTorch at the second. GPU time: CUDA
 events around `iters` steps on each side's stream; wall time: perf_counter around the
 same steps and a final synchronize; each the median of 5 such blocks after a warm-up,
 per step. The roofline time of a step is the larger of its FLOPs (three convolutions) at
@@ -61,11 +64,16 @@ def timed(run, event, elapsed_ms, sync, iters: int, blocks: int = 5) -> tuple[fl
     return statistics.median(gpu), statistics.median(wall)
 
 
-def ours(spec, x_host, dy_host, iters: int, eager: bool = True, autotune: bool = False) -> dict:
+def second_batch(n: int) -> int:
+    return 8 if n == 1 else max(1, n // 4)
+
+
+def ours(spec, x_host, dy_host, iters: int, eager: bool = True, autotune: bool = False, planned=None) -> dict:
+    """Our step on x_host, dy_host; the layer is planned for `planned` (a spec; default `spec`)."""
     from conv2d import Conv2d
     from conv2d.cuda.runtime import to_device_bits
 
-    layer = Conv2d(spec, "cuda", autotune=autotune)
+    layer = Conv2d(planned or spec, "cuda", autotune=autotune)
     layer.init_weights(np.random.default_rng(0))
     impl = layer.functions
     cuda, stream = impl.cuda, impl.stream
@@ -133,6 +141,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", default="1,2,4,8,16,32,64,128,256,512,1024",
                     help="batch sizes of the rl_small sweep (bfloat16, batch norm); empty for none")
+    ap.add_argument("--no-tuned", action="store_true", help="skip the autotuned table")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -153,11 +162,27 @@ def main() -> None:
                   "cudnn.benchmark = True)", "",
                   "| shape | norm | dtype | ours eager wall | torch eager wall | ratio | ours graph GPU "
                   "| torch graph GPU | ratio |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    second_head = ["", "## A second batch size, same layer (ours planned for the shape's batch; heuristic plans)", "",
+                   "| shape | norm | dtype | N | ours eager wall | torch eager wall | ratio | ours graph GPU "
+                   "| torch graph GPU | ratio |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    second_lines = []
     print("\n".join(lines), flush=True)
+    nan = (float("nan"), float("nan"))
     for name, bn, spec, x, dy in cases(args.shapes, args.dtypes):
         o, t = ours(spec, x, dy, args.iters), pytorch(spec, x, dy, args.iters)
-        o_tuned = ours(spec, x, dy, args.iters, autotune=True)
-        t_tuned = pytorch(spec, x, dy, args.iters, benchmark=True)
+        if args.no_tuned:
+            o_tuned = t_tuned = {"eager": nan, "graph": nan}
+        else:
+            o_tuned = ours(spec, x, dy, args.iters, autotune=True)
+            t_tuned = pytorch(spec, x, dy, args.iters, benchmark=True)
+        n2 = second_batch(spec.batch_size)
+        spec2 = bench_spec(name, bn, spec.dtype.value, batch_size=n2)
+        x2, dy2 = inputs(spec2)
+        o2, t2 = ours(spec2, x2, dy2, args.iters, planned=spec), pytorch(spec2, x2, dy2, args.iters)
+        second = (f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} | {n2} | {o2['eager'][1]:.3f} "
+                  f"| {t2['eager'][1]:.3f} | {o2['eager'][1] / t2['eager'][1]:.2f} | {o2['graph'][0]:.3f} "
+                  f"| {t2['graph'][0]:.3f} | {o2['graph'][0] / t2['graph'][0]:.2f} |")
+        second_lines.append(second)
         o["tuned_eager"], o["tuned_graph"] = o_tuned["eager"], o_tuned["graph"]
         t["tuned_eager"], t["tuned_graph"] = t_tuned["eager"], t_tuned["graph"]
         roof = roofline_ms(spec)
@@ -176,8 +201,10 @@ def main() -> None:
                  f"| {t['tuned_graph'][0]:.3f} | {o['tuned_graph'][0] / t['tuned_graph'][0]:.2f} |")
         lines.append(line)
         tuned_lines.append(tuned)
-        print(line, "\n" + tuned, flush=True)
-    lines += tuned_head + tuned_lines
+        print(line, "\n" + tuned, "\n" + second, flush=True)
+    if not args.no_tuned:
+        lines += tuned_head + tuned_lines
+    lines += second_head + second_lines
     sweep = []
     if args.sweep:
         head = ["", "## Batch sweep: rl_small, bfloat16, batch norm, CUDA-graph GPU ms per step", "",

@@ -385,3 +385,132 @@ def test_autotuned_plans_match_the_reference_and_repeat_bitwise(dtype):
     assert_close("y", ra[0], ref.forward(x.astype(np.float64)), dtype, lengths["y"])
     assert_close("d_x", ra[1], ref.backward_full(x.astype(np.float64), dy.astype(np.float64)), dtype,
                  lengths["d_x"], jump=True)
+
+
+# Arrays of the caller's library, any batch size, caller-owned parameters -------------------
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_torch_cuda_tensors_give_torch_tensors_from_torchs_allocator(dtype):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    spec = spec_for("gelu", "batch_norm", dtype)
+    layer = make_layer(spec, backend="cuda")
+    x, dy = random_inputs(spec)
+    tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    xt = torch.from_numpy(x.astype(np.float32)).to(device="cuda", dtype=tdt)
+    dyt = torch.from_numpy(dy.astype(np.float32)).to(device="cuda", dtype=tdt)
+    allocated = torch.cuda.memory_allocated()
+    y = layer.forward(xt)
+    assert isinstance(y, torch.Tensor) and y.is_cuda and y.dtype == tdt and tuple(y.shape) == spec.output_shape
+    assert torch.cuda.memory_allocated() > allocated  # y came from torch's caching allocator
+    assert layer._saved.x.__cuda_array_interface__["data"][0] == xt.data_ptr()  # no copy of the input
+    d_x = layer.backward_full(xt, dyt)
+    assert isinstance(d_x, torch.Tensor) and d_x.dtype == tdt and tuple(d_x.shape) == spec.input_shape
+    want = step(make_layer(spec, backend="cuda"), as_numpy(xt), as_numpy(dyt))
+    st = storage_dtype(spec.dtype)
+    np.testing.assert_array_equal(as_numpy(y, st).view(np.uint8), want[0].view(np.uint8))
+    np.testing.assert_array_equal(as_numpy(d_x, st).view(np.uint8), want[1].view(np.uint8))
+
+
+def test_torch_tensors_run_on_torchs_current_stream():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from conv2d.cuda.runtime import stream_handle
+
+    spec = spec_for("relu", "layer_norm")
+    layer = make_layer(spec, backend="cuda")
+    x, dy = random_inputs(spec)
+    xt, dyt = torch.from_numpy(x).cuda(), torch.from_numpy(dy).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = layer.forward(xt)
+        assert stream_handle(layer.functions._current) == side.cuda_stream
+        d_x = layer.backward_full(xt, dyt)
+    side.synchronize()
+    want = step(make_layer(spec, backend="cuda"), x, dy)
+    np.testing.assert_array_equal(as_numpy(y), want[0])
+    np.testing.assert_array_equal(as_numpy(d_x), want[1])
+    layer.forward(x)  # a NumPy input goes back to the layer's own stream
+    assert layer.functions._current is layer.functions.stream
+
+
+def test_cupy_arrays_give_cupy_arrays_and_numba_arrays_numba_arrays():
+    cp = pytest.importorskip("cupy", reason="cupy is not installed")
+    from numba import cuda
+
+    spec = spec_for("tanh", "batch_norm", "bfloat16")
+    layer = make_layer(spec, backend="cuda")
+    x, dy = random_inputs(spec)
+    xc, dyc = cp.asarray(x.view(np.uint16)), cp.asarray(dy.view(np.uint16))
+    y = layer.forward(xc)
+    assert isinstance(y, cp.ndarray) and y.dtype == np.uint16 and y.shape == spec.output_shape
+    assert isinstance(layer.backward_full(xc, dyc), cp.ndarray)
+    xn = cuda.to_device(x.view(np.uint16))
+    yn = layer.forward(xn)
+    assert cuda.is_cuda_array(yn) and type(yn).__module__.startswith("numba") and yn.dtype == np.uint16
+    np.testing.assert_array_equal(yn.copy_to_host(), y.get())
+
+
+def test_numpy_in_gives_numpy_out_on_the_gpu():
+    spec = spec_for("sigmoid", "batch_norm", "bfloat16")
+    layer = make_layer(spec, backend="cuda")
+    x, dy = random_inputs(spec)
+    y = layer.forward(x)
+    d_x = layer.backward_full(x, dy)
+    assert isinstance(y, np.ndarray) and y.dtype == storage_dtype(spec.dtype) and y.shape == spec.output_shape
+    assert isinstance(d_x, np.ndarray) and d_x.dtype == storage_dtype(spec.dtype)
+
+
+def test_caller_owned_torch_parameters_are_read_in_place_and_gradients_come_back_fresh():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from conv2d.state import RUNNING
+
+    spec = spec_for("gelu", "batch_norm", batch_size=2)
+    layer = make_layer(spec, backend="cuda")
+    state = layer.state_dict()
+    params = {k: torch.from_numpy(v).cuda() for k, v in state.items() if k not in RUNNING}
+    running = {k: torch.from_numpy(v).cuda() for k, v in state.items() if k in RUNNING}
+    x, dy = random_inputs(dataclasses.replace(spec, batch_size=5))
+    xt, dyt = torch.from_numpy(x).cuda(), torch.from_numpy(dy).cuda()
+    fn = layer.functions
+    y, saved = fn.forward(params, xt, True, running)
+    grads, d_x = fn.backward(params, saved, dyt)
+    assert all(isinstance(g, torch.Tensor) and tuple(g.shape) == tuple(params[k].shape) for k, g in grads.items())
+    np.testing.assert_array_equal(as_numpy(y), as_numpy(layer.forward(x)))
+    np.testing.assert_array_equal(as_numpy(d_x), as_numpy(layer.backward_full(x, dy)))
+    for k, g in layer.grad_dict().items():
+        np.testing.assert_array_equal(as_numpy(grads[k]), g, err_msg=k)
+    for k in RUNNING:
+        np.testing.assert_array_equal(as_numpy(running[k]), layer.state_dict()[k], err_msg=k)
+
+
+def test_a_frozen_layer_refuses_a_backward_of_an_overwritten_forward():
+    from numba import cuda
+
+    spec = spec_for("relu", "batch_norm")
+    layer = make_layer(spec, backend="cuda")
+    x, dy = random_inputs(spec)
+    xd, dyd = cuda.to_device(x), cuda.to_device(dy)
+    layer.freeze()
+    fn = layer.functions
+    params = {k: v for k, v in layer._params.items()}
+    _, first = fn.forward(params, xd, True)
+    fn.forward(params, xd, True)
+    with pytest.raises(RuntimeError, match="overwrote this forward's saved values"):
+        fn.backward(params, first, dyd)
+    with pytest.raises(RuntimeError, match="frozen and has no plan for input shape"):
+        layer.forward(cuda.to_device(x[:1]))
+
+
+def test_a_capture_after_other_batch_sizes_replays_at_the_planned_one():
+    from numba import cuda
+
+    spec = spec_for("relu", "batch_norm")
+    layer, eager = make_layer(spec, backend="cuda"), make_layer(spec, backend="cuda")
+    x, dy = random_inputs(spec)
+    for layer_ in (layer, eager):
+        layer_.evaluate(x[:1])  # acting at batch 1 plans a second shape
+    xc, dyc = cuda.to_device(x), cuda.to_device(dy)
+    graph = layer.capture(xc, dyc)
+    graph.replay()
+    want = step(eager, x, dy)
+    np.testing.assert_array_equal(as_numpy(graph.outputs["y"]), want[0])
+    np.testing.assert_array_equal(as_numpy(graph.outputs["d_x"]), want[1])

@@ -70,7 +70,7 @@ def test_a_layer_saved_at_one_batch_size_loads_into_a_layer_planned_for_another(
 
 def test_a_spec_mismatch_names_only_the_fields_that_differ(tmp_path):
     _, path = saved(tmp_path)
-    other = make_layer(dataclasses.replace(SPEC, batch_size=7, activation="gelu", bn_momentum=0.3))
+    other = make_layer(dataclasses.replace(SPEC, batch_size=7, activation="relu", bn_momentum=0.3))
     with pytest.raises(ValueError) as info:
         conv2d.load(path, into=other)
     message = str(info.value)

@@ -156,6 +156,9 @@ class Functions:
         self.dev_dt = device_dtype(spec.dtype)
         self.st = storage_dtype(spec.dtype)
         self.max_shapes = max_shapes
+        self._layout = state_layout(spec)
+        self._grad_layout = grad_layout(spec)
+        self._param_names = [k for k in self._layout if k not in RUNNING]
         self._plans: OrderedDict[tuple, _Plan] = OrderedDict()
         self._lock = threading.RLock()
         self._dummy = cuda.device_array(1, np.float32)  # stands for absent arrays in kernel arguments
@@ -226,7 +229,7 @@ class Functions:
         found = self._views.get(key)
         if found is not None:
             return found[1]
-        layout = state_layout(self.spec)
+        layout = self._layout
         views = {}
         for k in names:
             a = arrays[k]
@@ -242,7 +245,7 @@ class Functions:
         return views
 
     def _params(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        return self._arrays("params", params, [k for k in state_layout(self.spec) if k not in RUNNING])
+        return self._arrays("params", params, self._param_names)
 
     def _running(self, running: Mapping[str, Any] | None, need: bool) -> dict[str, Any] | None:
         if self.spec.normalization is not Normalization.BATCH_NORM or (running is None and not need):
@@ -442,10 +445,10 @@ class Functions:
 
     def _gradients(self, accumulate: Mapping[str, Any] | None, lib: str, like: Any) -> tuple[dict, Any]:
         """(flat device gradient arrays the kernels add into, what the caller gets)."""
-        names = list(grad_layout(self.spec))
+        names = self._param_names
         if accumulate is not None:
             return self._arrays("accumulate", accumulate, names), accumulate
-        layout = grad_layout(self.spec)
+        layout = self._grad_layout
         views, out = {}, {}
         for k in names:
             shape, dt = layout[k]
@@ -529,7 +532,7 @@ class Functions:
             return grads, d_x
 
     def _host(self, arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        layout = grad_layout(self.spec)
+        layout = self._grad_layout
         out = {k: from_device_bits(a.copy_to_host(stream=self._current), layout[k][1]).reshape(layout[k][0])
                for k, a in arrays.items()}
         self._current.synchronize()
@@ -550,7 +553,7 @@ class Functions:
             self._current.synchronize()
 
     def read(self, arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        layout = state_layout(self.spec)
+        layout = self._layout
         with self._lock:
             out = {k: from_device_bits(a.copy_to_host(stream=self._current), layout[k][1]).reshape(layout[k][0])
                    for k, a in arrays.items()}
