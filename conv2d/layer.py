@@ -75,7 +75,7 @@ class Conv2d:
     # Backward ------------------------------------------------------------------------------
     def _last_forward(self, x: Any = None, check_x: bool = False) -> Any:
         """The saved values of the last forward, after checking that backward may use them."""
-        if check_x:
+        if check_x and x is not self._saved_input:  # the forward checked its own input
             self._fn.check_input("x", x)
         if self._saved is None:
             raise RuntimeError("backward: no forward pass to differentiate; call forward(x) first")

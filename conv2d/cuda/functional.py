@@ -28,6 +28,7 @@ after the old one. Arrays:
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from typing import Any, Callable, Mapping
@@ -94,7 +95,7 @@ class _Plan:
         self.sums_col = alloc(2 * oc, f32)
         self.sums_seg = alloc(2 * n, f32)
         self.d_z = alloc(self.total, fn.dev_dt)
-        self.d_w = alloc(int(np.prod(spec.weight_shape)), fn.dev_dt)
+        self.d_w = alloc(math.prod(spec.weight_shape), fn.dev_dt)
         self.launches: dict[Any, Launch] = {}
         self.free_saved: list[tuple] = []
         self.eval_buffers: tuple | None = None
@@ -222,12 +223,16 @@ class Functions:
     def _arrays(self, group: str, arrays: Mapping[str, Any] | None, names: list[str]) -> dict[str, Any]:
         """Flat device views of the caller's arrays `names` (state layout shapes, or flat),
         checked once per set of array objects."""
+        last = self._views.get(group)
+        if last is not None and last[0] is arrays and all(arrays.get(k) is a for k, a in last[1]):
+            return last[2]  # the same dict of the same arrays as last time (a layer's own)
         if not isinstance(arrays, Mapping) or set(arrays) != set(names):
             got = sorted(arrays) if isinstance(arrays, Mapping) else arrays
             raise ValueError(f"{group}: expected keys {names}, got {got!r}")
         key = (group, *(id(arrays[k]) for k in names))
         found = self._views.get(key)
         if found is not None:
+            self._views[group] = (arrays, [(k, arrays[k]) for k in names], found[1])
             return found[1]
         layout = self._layout
         views = {}
@@ -239,9 +244,10 @@ class Functions:
                                 f"them in place), got {type(a).__name__}")
             views[k] = device_view(self.cuda, f"{group}[{k!r}]", a, self.spec.dtype if dt == self.st else
                                    DType.FLOAT32, shape, flat=True)
-        if len(self._views) >= 16:
-            self._views.pop(next(iter(self._views)))
+        if len(self._views) >= 32:
+            self._views.clear()
         self._views[key] = ([arrays[k] for k in names], views)  # the originals pin the ids
+        self._views[group] = (arrays, [(k, arrays[k]) for k in names], views)
         return views
 
     def _params(self, params: Mapping[str, Any]) -> dict[str, Any]:
@@ -333,15 +339,17 @@ class Functions:
         plan.launches[(key, narrow)](**{k: v for k, v in args.items() if k not in ("batch_stats", "count",
                                                                                     "accumulate")})
 
-    def _launch(self, plan: _Plan, key: Any, kernel: Any, grid: Any, block: Any, **args: Any) -> None:
-        """A prepared launch of `kernel` named `key` in the plan; `args` by name (all of
-        them: the first call prepares it, later ones swap what changed)."""
+    def _launch(self, plan: _Plan, key: Any, kernel: Any, grid: Any, block: Any, fixed: Mapping[str, Any],
+                **arrays: Any) -> None:
+        """A prepared launch of `kernel` named `key` in the plan: `fixed` are the arguments
+        that do not change under the key (sizes, scalars, scratch), `arrays` by name those
+        that may change per call (the first call prepares it, later ones swap them)."""
         launch = plan.launches.get(key)
         if launch is None:
-            launch = plan.launches[key] = Launch(kernel, grid, block, self._current, args)
+            launch = plan.launches[key] = Launch(kernel, grid, block, self._current, {**fixed, **arrays})
             launch()
             return
-        launch(**args)
+        launch(**arrays)
 
     def _norm(self, p: dict) -> dict[str, Any]:
         d = self._dummy
@@ -357,9 +365,8 @@ class Functions:
             return False
         eps, mom = np.float32(s.bn_epsilon), np.float32(s.bn_momentum)
         if norm is Normalization.BATCH_NORM and not training:
-            self._launch(plan, ("running", keep), self.k.running_stats, *K.small_grid(plan.C),
-                         running_mean=r["running_mean"], running_var=r["running_var"], epsilon=eps, mean=mean,
-                         inv_std=inv_std)
+            self._launch(plan, ("running", keep), self.k.running_stats, *K.small_grid(plan.C), {"epsilon": eps},
+                         running_mean=r["running_mean"], running_var=r["running_var"], mean=mean, inv_std=inv_std)
             return False
         if norm is Normalization.BATCH_NORM:
             update = r is not None
@@ -369,11 +376,13 @@ class Functions:
             return True
         n = plan.spec.batch_size
         self._launch(plan, ("seg_stats", keep), self.k.segment_partials[K.SUM_STATS], (n, plan.Q), K.SEG_THREADS,
-                     z=z, d_y=z, mean=d, inv_std=d, **self._norm(p), C=plan.C, S=plan.S, out0=plan.seg[0],
-                     out1=plan.seg[1])
-        self._launch(plan, ("seg_stats_final", keep), self.k.stats_final, n, K.WARP, p0=plan.seg[0],
-                     p1=plan.seg[1], P=plan.Q, G=n, z=z, S=plan.S, count=np.float32(plan.S), epsilon=eps,
-                     momentum=mom, mean=mean, inv_std=inv_std, running_mean=d, running_var=d, update=False)
+                     {"mean": d, "inv_std": d, "C": plan.C, "S": plan.S, "out0": plan.seg[0], "out1": plan.seg[1]},
+                     z=z, d_y=z, **self._norm(p))
+        self._launch(plan, ("seg_stats_final", keep), self.k.stats_final, n, K.WARP,
+                     {"p0": plan.seg[0], "p1": plan.seg[1], "P": plan.Q, "G": n, "S": plan.S,
+                      "count": np.float32(plan.S), "epsilon": eps, "momentum": mom, "running_mean": d,
+                      "running_var": d, "update": False},
+                     z=z, mean=mean, inv_std=inv_std)
         return True
 
     def _run(self, plan: _Plan, p: dict, r: dict | None, x: Any, y: Any, buffers: tuple, training: bool,
@@ -460,7 +469,7 @@ class Functions:
                 views[k], out[k] = device_view(self.cuda, k, t, self.spec.dtype if dt == self.st else DType.FLOAT32,
                                                flat=True), t
             else:
-                a = self.cuda.device_array(int(np.prod(shape)), self.dev_dt if dt == self.st else dt,
+                a = self.cuda.device_array(math.prod(shape), self.dev_dt if dt == self.st else dt,
                                            stream=self._current)
                 zero_fill(self.cuda, a, self._current)
                 views[k] = a
@@ -500,10 +509,10 @@ class Functions:
                 if norm is Normalization.LAYER_NORM:
                     n = call.batch_size
                     self._launch(plan, "seg_grads", self.k.segment_partials[K.SUM_GRADS], (n, plan.Q),
-                                 K.SEG_THREADS, z=saved.pre, d_y=d_y_dev, mean=mean, inv_std=inv_std,
-                                 **self._norm(p), C=plan.C, S=plan.S, out0=plan.seg[0], out1=plan.seg[1])
-                    self._launch(plan, "seg_grads_final", self.k.partials_final, n, K.WARP, p0=plan.seg[0],
-                                 p1=plan.seg[1], P=plan.Q, G=n, sums=plan.sums_seg)
+                                 K.SEG_THREADS, {"C": plan.C, "S": plan.S, "out0": plan.seg[0], "out1": plan.seg[1]},
+                                 z=saved.pre, d_y=d_y_dev, mean=mean, inv_std=inv_std, **self._norm(p))
+                    self._launch(plan, "seg_grads_final", self.k.partials_final, n, K.WARP,
+                                 {"p0": plan.seg[0], "p1": plan.seg[1], "P": plan.Q, "G": n, "sums": plan.sums_seg})
                     sums, count = plan.sums_seg, plan.S
                 elif batch_stats:
                     sums, count = plan.sums_col, plan.M
@@ -524,7 +533,7 @@ class Functions:
                     plan.conv.backward_filter(saved.x, plan.d_z, plan.d_w)
                     total = plan.d_w.size
                     self._launch(plan, "accumulate_w", self.k.accumulate_stored, *K.elementwise_grid(total),
-                                 grad=g["weights"], new=plan.d_w, total=total)
+                                 {"new": plan.d_w, "total": total}, grad=g["weights"])
             if lib == NUMPY:
                 if grads is not None and accumulate is None:
                     grads = self._host(grads)

@@ -133,8 +133,11 @@ class Launch:
         self.args[i] = value
 
     def __call__(self, **changes: Any) -> None:
+        args, index = self.args, self._index
         for name, value in changes.items():
-            self._set(self._index[name], value)
+            i = index[name]
+            if value is not args[i]:
+                self._set(i, value)
         if self._raw is None:
             self.kernel[self.grid, self.block, self.stream](*self.args)
             return

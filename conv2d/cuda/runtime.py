@@ -5,6 +5,7 @@ torch tensors."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Any
 
@@ -129,9 +130,9 @@ def device_view(cuda, name: str, a: Any, dtype: DType, shape: tuple[int, ...] | 
     (the storage dtype, or uint16 bits for bfloat16), C-contiguity and, if given, `shape`
     (with `flat`, its size alone); `flat` gives a 1-D view. Raises before any work."""
     st, dev_dt = storage_dtype(dtype), device_dtype(dtype)
-    got_shape = tuple(int(v) for v in a.shape)
-    size = int(np.prod(got_shape))
-    if shape is not None and got_shape != tuple(shape) and not (flat and size == int(np.prod(shape))):
+    got_shape = tuple(a.shape)
+    size = math.prod(got_shape)  # math.prod: np.prod costs microseconds, and this runs on every call
+    if shape is not None and got_shape != tuple(shape) and not (flat and size == math.prod(shape)):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {describe(a)}")
     if hasattr(a, "copy_to_host") and hasattr(a, "is_c_contiguous"):
         # numba's own device arrays: checked from their attributes and used as they are.
