@@ -2,6 +2,7 @@
 reference, accumulation, determinism, threads, zero-copy inputs, bad inputs, freezing."""
 
 import dataclasses
+import gc
 import threading
 
 import numpy as np
@@ -24,6 +25,12 @@ else:
 
 GPU_DTYPES = ["float32", "float16", "bfloat16"]
 NORMS = ["none", "batch_norm", "layer_norm"]
+
+
+def torch_cuda(torch, a, dtype):
+    """The host array `a` as a torch CUDA tensor of the layer dtype `dtype`."""
+    tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    return torch.from_numpy(a.astype(np.float32)).to(device="cuda", dtype=tdt)
 
 
 def spec_for(act="relu", norm="batch_norm", dtype="float32", **kw):
@@ -168,8 +175,7 @@ def test_torch_tensors_are_used_without_a_copy(dtype):
     spec = spec_for("relu", "none", dtype)
     layer = make_layer(spec, backend="cuda")
     x, _ = random_inputs(spec)
-    tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    xt = torch.from_numpy(x.astype(np.float32)).to(device="cuda", dtype=tdt)
+    xt = torch_cuda(torch, x, dtype)
     view = device_input(layer.functions.cuda, "x", xt, spec.input_shape, spec.dtype, layer.functions.stream)
     assert view.__cuda_array_interface__["data"][0] == xt.data_ptr()
     torch.cuda.synchronize()
@@ -394,13 +400,15 @@ def test_torch_cuda_tensors_give_torch_tensors_from_torchs_allocator(dtype):
     spec = spec_for("gelu", "batch_norm", dtype)
     layer = make_layer(spec, backend="cuda")
     x, dy = random_inputs(spec)
-    tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    xt = torch.from_numpy(x.astype(np.float32)).to(device="cuda", dtype=tdt)
-    dyt = torch.from_numpy(dy.astype(np.float32)).to(device="cuda", dtype=tdt)
+    xt, dyt = torch_cuda(torch, x, dtype), torch_cuda(torch, dy, dtype)
+    tdt = xt.dtype
+    gc.collect()  # no tensor of an earlier test is freed during the forward
+    torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
     y = layer.forward(xt)
     assert isinstance(y, torch.Tensor) and y.is_cuda and y.dtype == tdt and tuple(y.shape) == spec.output_shape
-    assert torch.cuda.memory_allocated() > allocated  # y came from torch's caching allocator
+    # y came from torch's caching allocator, which counts it
+    assert torch.cuda.memory_allocated() >= allocated + y.numel() * y.element_size()
     assert layer._saved.x.__cuda_array_interface__["data"][0] == xt.data_ptr()  # no copy of the input
     d_x = layer.backward_full(xt, dyt)
     assert isinstance(d_x, torch.Tensor) and d_x.dtype == tdt and tuple(d_x.shape) == spec.input_shape

@@ -111,6 +111,16 @@ def test_an_input_the_kernel_does_not_fit_is_refused_naming_x(backend):
         layer.forward(x)
 
 
+@pytest.mark.parametrize("bad", ["not an array", [[1.0]], None], ids=["str", "list", "None"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_input_that_is_no_array_is_refused_naming_x(backend, bad):
+    layer = layer_on(backend, spec_for("none", backend))
+    with pytest.raises(TypeError, match="^x: expected a numpy.ndarray"):
+        layer.forward(bad)
+    with pytest.raises(TypeError, match="^x: expected a numpy.ndarray"):
+        layer.evaluate(bad)
+
+
 def test_a_spec_may_plan_no_batch():
     spec = spec_for("batch_norm", batch_size=None)
     layer = make_layer(spec)

@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from conv2d.arrays import CUPY, NUMPY, TORCH, library
-from conv2d.checks import input_spec
+from conv2d.checks import describe, input_spec
 from conv2d.cuda import cudnn, kernels as K
 from conv2d.cuda.launch import Launch, device_pointer
 from conv2d.cuda.memory import OutputAllocator
@@ -214,6 +214,9 @@ class Functions:
     def _input(self, name: str, a: Any) -> tuple[LayerSpec, Any, str]:
         """(call spec, device array, library) of an input (N, H, W, C), checked."""
         lib = library(a)
+        if lib is None or not hasattr(a, "shape"):
+            raise TypeError(f"{name}: expected a numpy.ndarray or a device array with __cuda_array_interface__, "
+                            f"got {describe(a)}")
         if self._frozen and lib == NUMPY:
             raise RuntimeError(f"{name}: the layer is frozen; pass a device array (a NumPy array would be "
                                f"copied into newly allocated device memory)")
