@@ -5,7 +5,7 @@ from conv2d.activations import Activation
 from conv2d.backend import register_backend
 from conv2d.io import load, save
 from conv2d.layer import Conv2d
-from conv2d.spec import DType, LayerSpec, Normalization
+from conv2d.spec import DType, LayerSpec, Normalization, RunningVariance
 
-__all__ = ["Activation", "Conv2d", "DType", "LayerSpec", "Normalization", "load", "register_backend", "save"]
+__all__ = ["Activation", "Conv2d", "DType", "LayerSpec", "Normalization", "RunningVariance", "load", "register_backend", "save"]
 __version__ = "0.1.0"

@@ -23,6 +23,14 @@ class Normalization(str, Enum):
     LAYER_NORM = "layer_norm"
 
 
+class RunningVariance(str, Enum):
+    """What batch norm's running variance averages: the batch's biased variance (the
+    original library's rule) or the unbiased one, times n / (n - 1) (PyTorch's)."""
+
+    BIASED = "biased"
+    UNBIASED = "unbiased"
+
+
 class DType(str, Enum):
     """The type policy of a layer (see conv2d.dtypes for what each one stores and computes in)."""
 
@@ -68,7 +76,8 @@ class LayerSpec:
     `batch_size` is the batch a layer plans for (the CUDA backend builds its cuDNN plans
     for it at construction, and `capture` records at it), or None for none: every call
     takes any N >= 1, and any H, W the kernel fits (`at` gives the spec of such a call).
-    `bias=False` drops the bias parameter and its gradient.
+    `bias=False` drops the bias parameter and its gradient. `bn_running_var` chooses the
+    running variance's rule: "biased" (the original's) or "unbiased" (PyTorch's).
     """
 
     batch_size: int | None = None
@@ -85,6 +94,7 @@ class LayerSpec:
     bn_epsilon: float = 1e-5
     dtype: DType | str = DType.FLOAT32
     bias: bool = True
+    bn_running_var: RunningVariance | str = RunningVariance.BIASED
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -112,6 +122,7 @@ class LayerSpec:
         set_(self, "activation", _enum_value(Activation, "activation", self.activation))
         set_(self, "normalization", _enum_value(Normalization, "normalization", self.normalization))
         set_(self, "dtype", _enum_value(DType, "dtype", self.dtype))
+        set_(self, "bn_running_var", _enum_value(RunningVariance, "bn_running_var", self.bn_running_var))
         m = self.bn_momentum
         if not isinstance(m, (int, float)) or isinstance(m, bool) or not 0.0 <= m <= 1.0:
             raise ValueError(f"LayerSpec.bn_momentum: expected a number in [0, 1], got {m!r}")
@@ -156,6 +167,16 @@ class LayerSpec:
         if (batch_size, h, w) == (self.batch_size, self.in_height, self.in_width):
             return self
         return _at(self, batch_size, h, w)
+
+    def running_var_scale(self, count: int) -> float:
+        """The factor of the biased batch variance over `count` values that the running
+        variance averages: 1, or count / (count - 1) for the unbiased rule."""
+        if self.bn_running_var is RunningVariance.BIASED:
+            return 1.0
+        if count < 2:
+            raise ValueError(f"x: batch norm's unbiased running variance needs more than one value per channel, "
+                             f"got N*OH*OW = {count} (as PyTorch's BatchNorm2d in training)")
+        return count / (count - 1)
 
     def differences(self, other: "LayerSpec", ignore: tuple[str, ...] = ()) -> dict[str, tuple[Any, Any]]:
         """field -> (self's value, other's value) for every field that differs, except `ignore`."""

@@ -356,3 +356,32 @@ def test_layer_from_another_backend_moves_without_its_forward():
     layer.forward(x)
     assert Conv2d(spec).pre_activations is None
     assert layer.to("reference").pre_activations is None
+
+
+# The running variance's rule ----------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_unbiased_running_variance_rule_averages_the_unbiased_batch_variance(backend):
+    spec = spec_for("batch_norm", backend, bn_running_var="unbiased", bn_momentum=0.5)
+    layer = layer_on(backend, spec)
+    x, _ = inputs_at(spec, 3)
+    before = layer.state_dict()["running_var"].astype(np.float64)
+    pre = None
+    layer.forward(x, training=True)
+    pre = layer.pre_activations.astype(np.float64)
+    var = pre.reshape(-1, spec.out_channels).var(axis=0, ddof=1)
+    want = 0.5 * before + 0.5 * var
+    np.testing.assert_allclose(layer.state_dict()["running_var"], want, rtol=1e-5 if backend == "cuda" else 1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_unbiased_rule_refuses_one_value_per_channel_as_pytorch_does(backend):
+    spec = spec_for("batch_norm", backend, bn_running_var="unbiased", kernel=1, padding=0, in_height=1,
+                    in_width=1)
+    layer = layer_on(backend, spec)
+    x, _ = inputs_at(spec, 1)
+    before = layer.state_dict()
+    with pytest.raises(ValueError, match="unbiased running variance needs more than one value per channel"):
+        layer.forward(x, training=True)
+    for k, v in layer.state_dict().items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+    layer.forward(x, training=False)  # eval does not touch the running statistics

@@ -48,6 +48,10 @@ from conv2d.spec import DType, LayerSpec, Normalization
 from conv2d.state import RUNNING, grad_layout, state_layout
 
 
+# Row-kernel arguments fixed under a launch's key (set when it is prepared).
+_FIXED_ROW_ARGS = ("batch_stats", "count", "var_scale", "accumulate")
+
+
 class Saved:
     """What `backward` needs from one `forward`: the call's spec (its N, H, W), the input
     (a device array), the pre-activations (flat, storage format), the norm's mean and
@@ -332,15 +336,15 @@ class Functions:
             counter = self.cuda.to_device(np.zeros(1 + K.phase_groups(plan.P), np.int32), stream=self._current)
             full = dict(z=d, d_y=d, out=d, mean=d, inv_std=d, gamma=d, beta=d, sums=d, batch_stats=False,
                         count=np.float32(1.0), epsilon=np.float32(s.bn_epsilon),
-                        momentum=np.float32(s.bn_momentum), M=plan.M, C=plan.C, S=plan.S, out0=plan.col[0],
-                        out1=plan.col[1], counter=counter, acc0=d, acc1=d, accumulate=False)
-            full.update({k: (np.float32(v) if k == "count" else v) for k, v in args.items()})
+                        momentum=np.float32(s.bn_momentum), var_scale=np.float32(1.0), M=plan.M, C=plan.C,
+                        S=plan.S, out0=plan.col[0], out1=plan.col[1], counter=counter, acc0=d, acc1=d,
+                        accumulate=False)
+            full.update({k: (np.float32(v) if k in ("count", "var_scale") else v) for k, v in args.items()})
             kernel = (self._narrow if narrow else self.k).rows[kind]
             plan.launches[(key, narrow)] = Launch(kernel, plan.P, K.ROW_THREADS, self._current, full)
             plan.launches[(key, narrow)]()
             return
-        plan.launches[(key, narrow)](**{k: v for k, v in args.items() if k not in ("batch_stats", "count",
-                                                                                    "accumulate")})
+        plan.launches[(key, narrow)](**{k: v for k, v in args.items() if k not in _FIXED_ROW_ARGS})
 
     def _launch(self, plan: _Plan, key: Any, kernel: Any, grid: Any, block: Any, fixed: Mapping[str, Any],
                 **arrays: Any) -> None:
@@ -374,6 +378,7 @@ class Functions:
         if norm is Normalization.BATCH_NORM:
             update = r is not None
             self._rows(plan, ("stats", keep, update), K.SUM_STATS, z=z, mean=mean, inv_std=inv_std, count=plan.M,
+                       var_scale=s.running_var_scale(plan.M) if update else 1.0,
                        acc0=r["running_mean"] if update else d, acc1=r["running_var"] if update else d,
                        accumulate=update)
             return True
@@ -408,6 +413,8 @@ class Functions:
             p = self._params(params)
             r = self._running(running, need=not training)
             plan = self._plan(call)
+            if r is not None and training:
+                self.spec.running_var_scale(plan.M)  # raises before any work where the rule cannot apply
             stream = self._enter(lib, x)
             y_dev, y = self._output(plan, "y", call.output_shape, lib, x)
             if plan.frozen is not None:

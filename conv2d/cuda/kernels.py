@@ -604,8 +604,11 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         return t0, t1
 
     @cuda.jit(device=True, inline=True)
-    def finish(kind, g, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, C, acc0, acc1, accumulate):
-        # Phase two's result for channel g from its totals t0, t1.
+    def finish(kind, g, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, var_scale, C, acc0, acc1,
+               accumulate):
+        # Phase two's result for channel g from its totals t0, t1. The running variance
+        # takes the biased variance times var_scale (1, or count / (count - 1) for the
+        # unbiased rule).
         if kind == SUM_STATS:
             # Shifted sums: t0 = sum(z - shift), t1 = sum((z - shift)^2), shift = z[0, g].
             m1 = t0 / count
@@ -615,7 +618,7 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
             inv_std[g] = ONE / math.sqrt(var + epsilon)
             if accumulate:  # the running statistics
                 acc0[g] = (ONE - momentum) * acc0[g] + momentum * mu
-                acc1[g] = (ONE - momentum) * acc1[g] + momentum * var
+                acc1[g] = (ONE - momentum) * acc1[g] + momentum * (var * var_scale)
         elif kind == SUM_GRADS:
             sums[g] = t0
             sums[C + g] = t1
@@ -627,8 +630,8 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
 
     def make_rows(kind):
         @cuda.jit(**row_jit_options())
-        def rows(z, d_y, out, mean, inv_std, gamma, beta, sums, batch_stats, count, epsilon, momentum, M, C, S,
-                 out0, out1, counter, acc0, acc1, accumulate):
+        def rows(z, d_y, out, mean, inv_std, gamma, beta, sums, batch_stats, count, epsilon, momentum, var_scale,
+                 M, C, S, out0, out1, counter, acc0, acc1, accumulate):
             """One pass over the (M, C) values: grid P blocks of ROW_THREADS, block p takes
             the rows [p*ceil(M/P), (p+1)*ceil(M/P)). A thread keeps a lane group of LANES
             consecutive channels; with CG = C / LANES groups < ROW_THREADS thread t keeps
@@ -722,7 +725,7 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
                             out0[(P + grp) * C + c] = t0
                             out1[(P + grp) * C + c] = t1
                         else:
-                            finish(kind, c, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, C,
+                            finish(kind, c, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, var_scale, C,
                                    acc0, acc1, accumulate)
                     if level == 0:
                         if t == 0:

@@ -92,7 +92,9 @@ def _statistics(spec: LayerSpec, z: np.ndarray, training: bool,
     if spec.normalization is Normalization.LAYER_NORM or training:
         mean, var = norm.statistics(z, axes)
         if spec.normalization is Normalization.BATCH_NORM and running is not None:
-            for k, stat in (("running_mean", mean), ("running_var", var)):
+            count = z.size // z.shape[-1]
+            scaled = var * var.dtype.type(spec.running_var_scale(count))
+            for k, stat in (("running_mean", mean), ("running_var", scaled)):
                 running[k][...] = norm.update_running(running[k], stat, spec.bn_momentum)
         return mean, norm.inverse_std(var, spec.bn_epsilon), True
     mean = running["running_mean"].astype(z.dtype)
