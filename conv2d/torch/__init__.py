@@ -1,0 +1,9 @@
+"""The layer for PyTorch users (needs torch; `import conv2d` alone never imports it).
+
+`Conv2dNormActivation` is a drop-in replacement for `nn.Sequential(nn.Conv2d,
+nn.BatchNorm2d or nn.GroupNorm(1, C) or nothing, activation)` in a channels_last model,
+with the same state_dict keys; `reference_sequential(module)` builds that Sequential."""
+
+from conv2d.torch.module import Conv2dNormActivation, activation_module, reference_sequential
+
+__all__ = ["Conv2dNormActivation", "activation_module", "reference_sequential"]

@@ -1,0 +1,242 @@
+"""`Conv2dNormActivation`: the layer as a PyTorch module, a drop-in replacement for
+`nn.Sequential(nn.Conv2d, nn.BatchNorm2d or nn.GroupNorm(1, C) or nothing, activation)`
+in a channels_last model.
+
+torch owns everything: the parameters are `nn.Parameter`s and the running statistics
+buffers, with the Sequential's names ("0.weight", "0.bias", "1.weight", "1.bias",
+"1.running_mean", "1.running_var", "1.num_batches_tracked"), so its `state_dict` loads
+as it is; the convolution weight is (OC, IC, KH, KW) in channels_last memory, which is
+this library's (OC, KH, KW, IC). Both backends' functions read them in place: CPU tensors
+run on the reference backend, CUDA tensors on the CUDA backend (on torch's current
+stream). Autograd goes through an `autograd.Function` whose backward calls the same
+backend `backward`; torch accumulates the gradients. Under `torch.compile` the op runs
+as it is between compiled graphs (a graph break: dynamo cannot trace NumPy or numba).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from conv2d.activations import Activation
+from conv2d.backend import make_functions
+from conv2d.spec import DType, LayerSpec, Normalization, _pair
+
+_DTYPES = {torch.float64: DType.FLOAT64, torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16,
+           torch.bfloat16: DType.BFLOAT16}
+_SIXTEEN = (torch.float16, torch.bfloat16)
+
+
+class _ConvParameters(nn.Module):
+    """The convolution's weight (OC, IC, KH, KW), channels_last, and bias (OC,): nn.Conv2d's names."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel: tuple[int, int], bias: bool,
+                 device: Any, dtype: Any) -> None:
+        super().__init__()
+        w = torch.empty((out_channels, in_channels, *kernel), device=device, dtype=dtype)
+        self.weight = nn.Parameter(w.contiguous(memory_format=torch.channels_last))
+        self.bias = nn.Parameter(torch.empty(out_channels, device=device, dtype=dtype)) if bias else None
+        fan_in = in_channels * kernel[0] * kernel[1]
+        bound = 1.0 / fan_in ** 0.5
+        with torch.no_grad():  # nn.Conv2d's default initialisation
+            nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+            if self.bias is not None:
+                self.bias.uniform_(-bound, bound)
+
+
+class _NormParameters(nn.Module):
+    """gamma and beta (and for batch norm the running statistics), as nn.BatchNorm2d /
+    nn.GroupNorm name them, in the compute dtype: float64 in a float64 module, else float32
+    (they stay float32 when the module moves to a 16-bit dtype: the type policy keeps norm
+    parameters and statistics in float32, as PyTorch's autocast does)."""
+
+    def __init__(self, channels: int, running: bool, device: Any, dtype: Any) -> None:
+        super().__init__()
+        dtype = torch.float32 if dtype in _SIXTEEN else dtype
+        self.weight = nn.Parameter(torch.ones(channels, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(channels, device=device, dtype=dtype))
+        if running:
+            self.register_buffer("running_mean", torch.zeros(channels, device=device, dtype=dtype))
+            self.register_buffer("running_var", torch.ones(channels, device=device, dtype=dtype))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "_NormParameters":
+        def keep_float32(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            return out.float() if out.dtype in _SIXTEEN else out
+        return super()._apply(keep_float32, recurse)
+
+
+class _Function(torch.autograd.Function):
+    """y (N, OH, OW, OC) of x (N, H, W, C) through a backend's functions; backward through
+    the same functions' backward, with fresh gradients for torch to accumulate."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                gamma: torch.Tensor | None, beta: torch.Tensor | None, fn: Any, running: dict | None,
+                training: bool) -> torch.Tensor:
+        params = {"weights": weight}
+        if bias is not None:
+            params["bias"] = bias
+        if gamma is not None:
+            params["gamma"], params["beta"] = gamma, beta
+        y, saved = fn.forward(params, x, training, running)
+        ctx.fn, ctx.saved, ctx.names = fn, saved, list(params)
+        # Saved through torch so that an in-place change of a parameter before backward
+        # raises, as for any op that saved it.
+        ctx.save_for_backward(*params.values())
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, d_y: torch.Tensor) -> tuple:
+        params = dict(zip(ctx.names, ctx.saved_tensors))
+        want_input = ctx.needs_input_grad[0]
+        want_params = any(ctx.needs_input_grad[1:5])
+        # Autograd may hand d_y in another layout; the backends read C-contiguous (NHWC).
+        grads, d_x = ctx.fn.backward(params, ctx.saved, d_y.contiguous(), want_params, want_input)
+        grads = grads or {}
+        return (d_x, grads.get("weights"), grads.get("bias"), grads.get("gamma"), grads.get("beta"), None, None,
+                None)
+
+
+class Conv2dNormActivation(nn.Module):
+    """act(norm(conv(x) + b)) on NCHW-shaped tensors, as the Sequential it replaces.
+
+    x: (N, C, H, W); channels_last memory is read in place (it is NHWC), any other layout
+    is copied once to channels_last. y: (N, OC, OH, OW) in channels_last memory.
+    `norm`: "batch_norm" (nn.BatchNorm2d), "layer_norm" (nn.GroupNorm(1, OC): one mean and
+    variance per sample over C, H, W, affine per channel) or "none". `activation`: a name
+    of `conv2d.Activation` ("relu", "gelu", "gelu_tanh", "tanh", "sigmoid", "identity",
+    and the original library's "fast_tanh", "gelu_original"). `running_var`: "unbiased"
+    (PyTorch's BatchNorm2d, the default here) or "biased" (the original library's).
+    `backend_options` go to the CUDA backend (e.g. `allow_tf32`).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int] = 3,
+                 stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] = 0, bias: bool = True,
+                 norm: str = "batch_norm", activation: str = "relu", eps: float = 1e-5, momentum: float = 0.1,
+                 running_var: str = "unbiased", device: Any = None, dtype: Any = None,
+                 **backend_options: Any) -> None:
+        super().__init__()
+        # A spec validates every argument now; its input size is a placeholder (every
+        # call takes any N, H, W: the kernel's own size fits) and its dtype follows the
+        # tensors at each call.
+        kh, kw = _pair("kernel", kernel_size)
+        self._spec = LayerSpec(batch_size=None, in_height=kh, in_width=kw, in_channels=in_channels,
+                               out_channels=out_channels, kernel=kernel_size, stride=stride, padding=padding,
+                               activation=activation, normalization=norm, bn_momentum=momentum, bn_epsilon=eps,
+                               bias=bias, bn_running_var=running_var, dtype="float32")
+        s = self._spec
+        dtype = dtype or torch.get_default_dtype()
+        self.add_module("0", _ConvParameters(in_channels, out_channels, s.kernel, bias, device, dtype))
+        if s.normalization is not Normalization.NONE:
+            self.add_module("1", _NormParameters(out_channels, s.normalization is Normalization.BATCH_NORM, device,
+                                                     dtype))
+        self.backend_options = backend_options
+        self._functions: dict = {}
+
+    @property
+    def conv(self) -> _ConvParameters:
+        return self._modules["0"]
+
+    @property
+    def norm(self) -> _NormParameters | None:
+        return self._modules.get("1")
+
+    @property
+    def spec(self) -> LayerSpec:
+        """The layer's spec at the module's current dtype (batch and input size unplanned)."""
+        return self._spec_for(_DTYPES[self.conv.weight.dtype])
+
+    def extra_repr(self) -> str:
+        s = self._spec
+        return (f"{s.in_channels}, {s.out_channels}, kernel_size={s.kernel}, stride={s.stride}, "
+                f"padding={s.padding}, bias={s.bias}, norm={s.normalization.value!r}, "
+                f"activation={s.activation.value!r}, eps={s.bn_epsilon}, momentum={s.bn_momentum}, "
+                f"running_var={s.bn_running_var.value!r}")
+
+    def _spec_for(self, dtype: DType) -> LayerSpec:
+        return dataclasses.replace(self._spec, dtype=dtype)
+
+    def _functions_for(self, x: torch.Tensor) -> Any:
+        backend = "cuda" if x.is_cuda else "reference"
+        key = (backend, x.dtype, x.device)
+        fn = self._functions.get(key)
+        if fn is None:
+            if x.dtype not in _DTYPES:
+                raise TypeError(f"x: expected a float64, float32, float16 or bfloat16 tensor, got {x.dtype}")
+            spec = self._spec_for(_DTYPES[x.dtype])
+            options = self.backend_options if backend == "cuda" else {}
+            if backend == "cuda":
+                with torch.cuda.device(x.device):
+                    fn = make_functions(backend, spec, **options)
+            else:
+                fn = make_functions(backend, spec)
+            self._functions[key] = fn
+        return fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"x: expected a 4-D (N, C, H, W) tensor, got {getattr(x, 'shape', type(x).__name__)}")
+        weight = self.conv.weight
+        if x.dtype != weight.dtype or x.device != weight.device:
+            raise TypeError(f"x: expected a {weight.dtype} tensor on {weight.device} (the module's), got "
+                            f"{x.dtype} on {x.device}")
+        fn = self._functions_for(x)
+        nhwc = x.permute(0, 2, 3, 1)
+        if not nhwc.is_contiguous():
+            nhwc = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
+        w = weight.permute(0, 2, 3, 1)
+        if not w.is_contiguous():  # a weight the caller made contiguous_format: one copy, differentiable
+            w = weight.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
+        norm = self.norm
+        gamma = beta = running = None
+        if norm is not None:
+            gamma, beta = norm.weight, norm.bias
+            if self._spec.normalization is Normalization.BATCH_NORM:
+                running = {"running_mean": norm.running_mean, "running_var": norm.running_var}
+                if self.training:
+                    norm.num_batches_tracked.add_(1)
+        y = _apply(nhwc, w, self.conv.bias, gamma, beta, fn, running, self.training)
+        return y.permute(0, 3, 1, 2)
+
+
+@torch.compiler.disable
+def _apply(*args: Any) -> torch.Tensor:
+    # torch.compile runs this op as it is, between compiled graphs (its backends are NumPy
+    # and numba/cuDNN, which dynamo cannot trace).
+    return _Function.apply(*args)
+
+
+def activation_module(name: str | Activation) -> nn.Module:
+    """PyTorch's module for an activation that PyTorch has (for building the Sequential
+    this module replaces); ValueError for the original library's own two."""
+    act = Activation(name)
+    table = {Activation.IDENTITY: nn.Identity, Activation.RELU: nn.ReLU, Activation.TANH: nn.Tanh,
+             Activation.SIGMOID: nn.Sigmoid, Activation.GELU: nn.GELU,
+             Activation.GELU_TANH: lambda: nn.GELU(approximate="tanh")}
+    if act not in table:
+        raise ValueError(f"activation: PyTorch has no {act.value!r} (the original library's own)")
+    return table[act]()
+
+
+def reference_sequential(module: Conv2dNormActivation) -> nn.Sequential:
+    """The plain PyTorch Sequential that `module` replaces, with the same parameters (a copy)
+    and state_dict keys (nn.BatchNorm2d has only the unbiased running-variance rule)."""
+    s = module._spec
+    w = module.conv.weight
+    conv = nn.Conv2d(s.in_channels, s.out_channels, s.kernel, s.stride, s.padding, bias=s.bias,
+                     device=w.device, dtype=w.dtype)
+    layers: list[nn.Module] = [conv]
+    if module.norm is not None:
+        where = dict(device=w.device, dtype=module.norm.weight.dtype)
+        layers.append(nn.BatchNorm2d(s.out_channels, eps=s.bn_epsilon, momentum=s.bn_momentum, **where)
+                      if s.normalization is Normalization.BATCH_NORM else nn.GroupNorm(1, s.out_channels,
+                                                                                        eps=s.bn_epsilon, **where))
+    layers.append(activation_module(s.activation))
+    seq = nn.Sequential(*layers)
+    seq.load_state_dict(module.state_dict())
+    return seq

@@ -1,0 +1,182 @@
+"""conv2d.torch.Conv2dNormActivation on the CPU (the reference backend) against the PyTorch
+Sequential it replaces, in float64: outputs, gradients, running statistics, state_dict,
+gradcheck, dtypes and layouts, torch.compile, DistributedDataParallel over gloo."""
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (the test extra brings it)")
+
+from conv2d.torch import Conv2dNormActivation, reference_sequential  # noqa: E402
+
+NORMS = ["none", "batch_norm", "layer_norm"]
+TORCH_ACTIVATIONS = ["identity", "relu", "tanh", "sigmoid", "gelu", "gelu_tanh"]
+
+
+def module_and_sequential(norm="batch_norm", activation="relu", seed=0, **kw):
+    torch.manual_seed(seed)
+    options = dict(kernel_size=3, padding=1, stride=1, norm=norm, activation=activation, dtype=torch.float64)
+    options.update(kw)
+    module = Conv2dNormActivation(3, 5, **options)
+    with torch.no_grad():  # norm parameters away from their initial 1 and 0
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return module, reference_sequential(module)
+
+
+def channels_last(shape, seed=1, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=dtype).to(memory_format=torch.channels_last)
+
+
+def run(model, x, d_y):
+    x = x.detach().clone().requires_grad_(True)
+    y = model(x)
+    y.backward(d_y)
+    return y.detach(), x.grad, {k: p.grad for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("activation", TORCH_ACTIVATIONS)
+def test_the_module_matches_the_sequential_it_replaces(activation, norm, training):
+    ours, theirs = module_and_sequential(norm, activation)
+    ours.train(training)
+    theirs.train(training)
+    x = channels_last((4, 3, 7, 6))
+    d_y = channels_last((4, 5, 7, 6), seed=2)
+    got, want = run(ours, x, d_y), run(theirs, x, d_y)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-10, atol=1e-12)
+    for k in want[2]:
+        torch.testing.assert_close(got[2][k], want[2][k], rtol=1e-10, atol=1e-12, msg=k)
+    for k, v in theirs.state_dict().items():  # running statistics, PyTorch's unbiased rule
+        torch.testing.assert_close(ours.state_dict()[k], v, rtol=1e-12, atol=1e-14, msg=k)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_gradcheck_of_input_and_parameters(norm):
+    module, _ = module_and_sequential(norm, "gelu", stride=2)
+    x = channels_last((2, 3, 6, 5)).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: module(x), (x,))
+    # The parameters' gradients, through a functional call of the same module.
+    from torch.func import functional_call
+
+    names = [k for k, _ in module.named_parameters()]
+    values = tuple(p.detach().clone().requires_grad_(True) for p in module.parameters())
+    assert torch.autograd.gradcheck(lambda *v: functional_call(module, dict(zip(names, v)), (x.detach(),)), values)
+
+
+def test_the_sequentials_state_dict_loads_as_it_is():
+    ours, _ = module_and_sequential("batch_norm", "relu")
+    _, theirs = module_and_sequential("batch_norm", "relu", seed=5)
+    theirs.train()
+    theirs(channels_last((3, 3, 5, 5)))  # running statistics and num_batches_tracked move
+    ours.load_state_dict(theirs.state_dict())
+    ours.eval()
+    theirs.eval()
+    x = channels_last((2, 3, 5, 5))
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-12, atol=1e-14)
+    assert int(ours.state_dict()["1.num_batches_tracked"]) == 1
+
+
+def test_a_bias_free_module_matches_conv2d_without_bias():
+    ours, theirs = module_and_sequential("batch_norm", "tanh", bias=False)
+    assert "0.bias" not in ours.state_dict() and theirs[0].bias is None
+    x, d_y = channels_last((2, 3, 5, 4)), channels_last((2, 5, 5, 4), seed=3)
+    got, want = run(ours, x, d_y), run(theirs, x, d_y)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-10, atol=1e-12)
+
+
+def test_an_input_in_another_memory_format_gives_the_same_result():
+    module, _ = module_and_sequential("layer_norm", "relu")
+    x = channels_last((2, 3, 6, 6))
+    torch.testing.assert_close(module(x.contiguous()), module(x), rtol=0, atol=0)
+
+
+def test_the_biased_rule_keeps_the_original_librarys_running_variance():
+    biased, _ = module_and_sequential("batch_norm", "relu", running_var="biased", momentum=1.0)
+    x = channels_last((3, 3, 4, 4))
+    biased.train()
+    with torch.no_grad():
+        z = torch.nn.functional.conv2d(x, biased.conv.weight, biased.conv.bias, padding=1)
+        biased(x)
+    torch.testing.assert_close(biased.norm.running_var, z.var(dim=(0, 2, 3), unbiased=False), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_to_a_lower_precision_keeps_norm_parameters_in_float32_and_stays_close(dtype):
+    module, _ = module_and_sequential("batch_norm", "gelu")
+    x = channels_last((2, 3, 6, 6))
+    want = module.eval()(x)
+    low = module.to(dtype)
+    assert low.conv.weight.dtype == dtype and low.norm.weight.dtype == torch.float32
+    assert low.norm.running_var.dtype == torch.float32
+    got = low(x.to(dtype))
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=0.05 if dtype == torch.bfloat16 else 1e-5,
+                               atol=0.05 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_a_parameter_changed_in_place_before_backward_raises():
+    module, _ = module_and_sequential("none", "tanh")
+    x = channels_last((2, 3, 4, 4)).requires_grad_(True)
+    y = module(x)
+    with torch.no_grad():
+        module.conv.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_bad_inputs_name_x():
+    module, _ = module_and_sequential("none", "relu")
+    with pytest.raises(ValueError, match="^x: expected a 4-D"):
+        module(torch.zeros(3, 3, 3, dtype=torch.float64))
+    with pytest.raises(TypeError, match="^x: expected a torch.float64 tensor"):
+        module(torch.zeros(1, 3, 4, 4, dtype=torch.float32))
+
+
+def test_torch_compile_runs_the_module_and_matches_eager():
+    module, _ = module_and_sequential("batch_norm", "relu")
+    module.eval()
+    x = channels_last((2, 3, 5, 5))
+    compiled = torch.compile(module, backend="aot_eager")  # no C++ toolchain needed on CI
+    torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)
+
+
+def _ddp_worker(rank, world, path, port):
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        module, _ = module_and_sequential("none", "gelu")
+        ddp = torch.nn.parallel.DistributedDataParallel(module)
+        x = channels_last((4, 3, 5, 5))
+        d_y = channels_last((4, 5, 5, 5), seed=2)
+        part = slice(2 * rank, 2 * rank + 2)
+        # d_y scaled by the world size: DDP averages the ranks' gradients
+        ddp(x[part].contiguous(memory_format=torch.channels_last)).backward(d_y[part] * world)
+        if rank == 0:
+            torch.save({k: p.grad for k, p in module.named_parameters()}, path)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_data_parallel_over_gloo_equals_one_process_on_the_whole_batch(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = tmp_path / "grads.pt"
+    mp.spawn(_ddp_worker, args=(2, str(path), port), nprocs=2, join=True)
+    got = torch.load(path)
+    module, _ = module_and_sequential("none", "gelu")
+    _, _, want = run(module, channels_last((4, 3, 5, 5)), channels_last((4, 5, 5, 5), seed=2))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12, msg=k)
