@@ -3,7 +3,7 @@
 as a CUDA graph on both sides, plus a batch sweep of rl_small.
 
     python scripts/bench_cuda.py [--shapes a,b] [--dtypes float32,bfloat16] [--iters 20]
-                                 [--sweep 1,2,4,...] [--no-tuned] [--out DIR]
+                                 [--sweep 1,2,4,...] [--no-tuned] [--no-module] [--out DIR]
 
 PyTorch runs nn.Conv2d (+ nn.BatchNorm2d) + nn.ReLU in channels_last with
 cudnn.deterministic = True and TF32 off, as ours. Each side runs with cuDNN's heuristic
@@ -12,7 +12,9 @@ and as CUDA graphs, with plans autotuned among the deterministic ones (ours
 `autotune=True`, PyTorch's cudnn.benchmark = True): a second table (unless --no-tuned).
 A third table steps each layer at a second batch size (a quarter of the planned one, 8
 for batch 1) without a new layer: ours planned for the shape's batch, eager and captured
-at the second, beside PyTorch at the second. GPU time: CUDA
+at the second, beside PyTorch at the second. A fourth (unless --no-module) runs our PyTorch
+module in PyTorch's own step in place of the Sequential, eager and in torch.cuda.graph.
+GPU time: CUDA
 events around `iters` steps on each side's stream; wall time: perf_counter around the
 same steps and a final synchronize; each the median of 5 such blocks after a warm-up,
 per step. The roofline time of a step is the larger of its FLOPs (three convolutions) at
@@ -96,16 +98,26 @@ def ours(spec, x_host, dy_host, iters: int, eager: bool = True, autotune: bool =
     return out
 
 
-def pytorch(spec, x_host, dy_host, iters: int, eager: bool = True, benchmark: bool = False) -> dict:
+def pytorch(spec, x_host, dy_host, iters: int, eager: bool = True, benchmark: bool = False,
+            module: bool = False) -> dict:
+    """PyTorch's Sequential step; with `module`, the same step of our
+    conv2d.torch.Conv2dNormActivation in its place."""
     import torch
 
     torch.backends.cudnn.benchmark = benchmark
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype.value]
-    layers = [torch.nn.Conv2d(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding)]
-    if spec.normalization.value == "batch_norm":
-        layers.append(torch.nn.BatchNorm2d(spec.out_channels, eps=spec.bn_epsilon, momentum=spec.bn_momentum))
-    layers.append(torch.nn.ReLU())
-    model = torch.nn.Sequential(*layers).cuda().to(dtype=dt, memory_format=torch.channels_last).train()
+    if module:
+        from conv2d.torch import Conv2dNormActivation
+
+        model = Conv2dNormActivation(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding,
+                                     norm=spec.normalization.value, activation="relu", eps=spec.bn_epsilon,
+                                     momentum=spec.bn_momentum, device="cuda").to(dt).train()
+    else:
+        layers = [torch.nn.Conv2d(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding)]
+        if spec.normalization.value == "batch_norm":
+            layers.append(torch.nn.BatchNorm2d(spec.out_channels, eps=spec.bn_epsilon, momentum=spec.bn_momentum))
+        layers.append(torch.nn.ReLU())
+        model = torch.nn.Sequential(*layers).cuda().to(dtype=dt, memory_format=torch.channels_last).train()
     x = torch.from_numpy(x_host.astype(np.float32)).cuda().to(dt).permute(0, 3, 1, 2).requires_grad_(True)
     dy = torch.from_numpy(dy_host.astype(np.float32)).cuda().to(dt).permute(0, 3, 1, 2)
 
@@ -142,6 +154,7 @@ def main() -> None:
     ap.add_argument("--sweep", default="1,2,4,8,16,32,64,128,256,512,1024",
                     help="batch sizes of the rl_small sweep (bfloat16, batch norm); empty for none")
     ap.add_argument("--no-tuned", action="store_true", help="skip the autotuned table")
+    ap.add_argument("--no-module", action="store_true", help="skip the PyTorch-module table")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -166,6 +179,11 @@ def main() -> None:
                    "| shape | norm | dtype | N | ours eager wall | torch eager wall | ratio | ours graph GPU "
                    "| torch graph GPU | ratio |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     second_lines = []
+    module_head = ["", "## The PyTorch module (conv2d.torch.Conv2dNormActivation) in a PyTorch step, beside "
+                   "PyTorch's Sequential (channels_last; heuristic plans)", "",
+                   "| shape | norm | dtype | module eager wall | torch eager wall | ratio | module graph GPU "
+                   "| torch graph GPU | ratio |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    module_lines = []
     print("\n".join(lines), flush=True)
     nan = (float("nan"), float("nan"))
     for name, bn, spec, x, dy in cases(args.shapes, args.dtypes):
@@ -183,6 +201,13 @@ def main() -> None:
                   f"| {t2['eager'][1]:.3f} | {o2['eager'][1] / t2['eager'][1]:.2f} | {o2['graph'][0]:.3f} "
                   f"| {t2['graph'][0]:.3f} | {o2['graph'][0] / t2['graph'][0]:.2f} |")
         second_lines.append(second)
+        if not args.no_module:
+            m = pytorch(spec, x, dy, args.iters, module=True)
+            module_line = (f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} | {m['eager'][1]:.3f} "
+                           f"| {t['eager'][1]:.3f} | {m['eager'][1] / t['eager'][1]:.2f} | {m['graph'][0]:.3f} "
+                           f"| {t['graph'][0]:.3f} | {m['graph'][0] / t['graph'][0]:.2f} |")
+            module_lines.append(module_line)
+            print(module_line, flush=True)
         o["tuned_eager"], o["tuned_graph"] = o_tuned["eager"], o_tuned["graph"]
         t["tuned_eager"], t["tuned_graph"] = t_tuned["eager"], t_tuned["graph"]
         roof = roofline_ms(spec)
@@ -205,6 +230,8 @@ def main() -> None:
     if not args.no_tuned:
         lines += tuned_head + tuned_lines
     lines += second_head + second_lines
+    if not args.no_module:
+        lines += module_head + module_lines
     sweep = []
     if args.sweep:
         head = ["", "## Batch sweep: rl_small, bfloat16, batch norm, CUDA-graph GPU ms per step", "",

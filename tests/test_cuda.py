@@ -522,3 +522,72 @@ def test_a_capture_after_other_batch_sizes_replays_at_the_planned_one():
     want = step(eager, x, dy)
     np.testing.assert_array_equal(as_numpy(graph.outputs["y"]), want[0])
     np.testing.assert_array_equal(as_numpy(graph.outputs["d_x"]), want[1])
+
+
+# The PyTorch module on the GPU ----------------------------------------------------------------
+def _module_pair(torch, norm, dtype):
+    from conv2d.torch import Conv2dNormActivation, reference_sequential
+
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    ours = Conv2dNormActivation(5, 6, 3, padding=1, norm=norm, activation="gelu", device="cuda")
+    theirs = reference_sequential(ours)
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    return ours.to(tdt), theirs.to(tdt), tdt
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_the_module_on_the_gpu_matches_pytorch_within_the_dtype_tolerance(norm, dtype):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    ours, theirs, tdt = _module_pair(torch, norm, dtype)
+    if norm == "batch_norm":
+        theirs[1].float()  # the type policy's float32 norm, as ours
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(4, 5, 12, 10, device="cuda", generator=g).to(tdt, memory_format=torch.channels_last)
+    d_y = torch.randn(4, 6, 12, 10, device="cuda", generator=g).to(tdt, memory_format=torch.channels_last)
+    results = []
+    for model in (ours, theirs):
+        xr = x.detach().clone().requires_grad_(True)
+        y = model(xr)
+        y.backward(d_y)
+        results.append((y.float(), xr.grad.float(), [p.grad.float() for p in model.parameters()]))
+    tol = 2e-2 if dtype == "bfloat16" else 2e-4
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=tol, atol=tol)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=tol, atol=tol)
+    for a, b in zip(results[0][2], results[1][2]):
+        assert (a - b).abs().max() <= tol * max(1.0, b.abs().max())
+
+
+def test_the_module_captured_in_a_torch_cuda_graph_replays_like_eager():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    ours, _, tdt = _module_pair(torch, "batch_norm", "float32")
+    eager, _, _ = _module_pair(torch, "batch_norm", "float32")
+    x = torch.randn(4, 5, 12, 10, device="cuda").to(memory_format=torch.channels_last)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: plans, launches, free saved buffers
+            ours(x).sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    for p in ours.parameters():
+        p.grad = None
+    ours.load_state_dict(eager.state_dict())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = ours(x)
+        y.sum().backward()
+    graph.replay()
+    want = eager(x)
+    want.sum().backward()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    for a, b in zip(ours.parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+def test_torch_compile_of_the_module_on_the_gpu_matches_eager():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    ours, _, _ = _module_pair(torch, "layer_norm", "float32")
+    x = torch.randn(2, 5, 8, 8, device="cuda").to(memory_format=torch.channels_last)
+    torch.testing.assert_close(torch.compile(ours)(x), ours(x), rtol=0, atol=0)

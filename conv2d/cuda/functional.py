@@ -41,11 +41,21 @@ from conv2d.cuda import cudnn, kernels as K
 from conv2d.cuda.launch import Launch, device_pointer
 from conv2d.cuda.memory import OutputAllocator
 from conv2d.cuda.runtime import (as_stream, device_dtype, device_input, device_view, from_device_bits, numba_cuda,
-                                 require_gpu, stream_handle, to_device_bits, torch_current_stream, torch_dtype,
-                                 torch_tensor_over, zero_fill)
+                                 require_gpu, simulating, stream_handle, to_device_bits, torch_current_stream,
+                                 torch_dtype, torch_tensor_over, zero_fill)
 from conv2d.dtypes import storage_dtype
 from conv2d.spec import DType, LayerSpec, Normalization
 from conv2d.state import RUNNING, grad_layout, state_layout
+
+
+def _capturing(stream: Any) -> bool:
+    """Whether `stream` is being captured into a CUDA graph (torch.cuda.graph, say)."""
+    if simulating():
+        return False
+    from cuda.bindings import driver
+
+    err, status = driver.cuStreamIsCapturing(driver.CUstream(stream_handle(stream)))
+    return err == driver.CUresult.CUDA_SUCCESS and status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
 
 # Row-kernel arguments fixed under a launch's key (set when it is prepared).
@@ -282,9 +292,10 @@ class Functions:
     def _switch(self, stream: Any) -> None:
         # The new stream waits for what the old one was given (the scratch and free
         # buffers are shared), then the handle and launches move to it.
-        event = self.cuda.event(timing=False)
-        event.record(self._current)
-        event.wait(stream)
+        if not _capturing(stream):  # a capture may not wait on work recorded outside it
+            event = self.cuda.event(timing=False)
+            event.record(self._current)
+            event.wait(stream)
         if self._handle is not None:
             cudnn.set_stream(self._handle, stream_handle(stream))
         for plan in self._plans.values():
