@@ -52,6 +52,17 @@ class Conv2d:
     def __repr__(self) -> str:
         return f"Conv2d({self.spec!r}, backend={self.backend!r})"
 
+    def parameters(self) -> dict[str, Any]:
+        """The live parameter arrays of the backend ("weights", "bias", "gamma", "beta" as the
+        spec has them; NumPy arrays of the state shapes on the reference, flat device
+        arrays on CUDA). Changing them in place is what an optimizer does: call
+        `parameters_changed()` after."""
+        return dict(self._params)
+
+    def gradients(self) -> dict[str, Any]:
+        """The live accumulated-gradient arrays, keyed and laid out as `parameters()`."""
+        return dict(self._grads)
+
     @property
     def functions(self) -> Functions:
         """The backend's functions for this spec (`forward`, `backward`, ... over explicit arrays)."""

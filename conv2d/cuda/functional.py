@@ -195,6 +195,24 @@ class Functions:
             return dict(getattr(plan.conv, "plans", {}))
 
     @property
+    def current_stream(self) -> Any:
+        """The stream of the last call (the layer's own, or torch's current one)."""
+        return self._current
+
+    # Optimizer updates of one flat parameter (conv2d.optim), on the current stream.
+    def adam_update(self, value: Any, grad: Any, m: Any, v: Any, master: Any, h: dict) -> None:
+        from conv2d.cuda import optim
+
+        with self._lock:
+            optim.adam(self, value, grad, m, v, master, h)
+
+    def sgd_update(self, value: Any, grad: Any, buf: Any, master: Any, h: dict) -> None:
+        from conv2d.cuda import optim
+
+        with self._lock:
+            optim.sgd(self, value, grad, buf, master, h)
+
+    @property
     def launches(self) -> dict[tuple, Launch]:
         """Every prepared kernel launch, keyed by (input shape (N, H, W), launch name)."""
         with self._lock:

@@ -223,7 +223,7 @@ else:
         return _cvt_rn_bf16(v)
 
 
-def _io(storage: str):
+def storage_io(storage: str):
     """(load, store, stored, part, encode) device functions for a storage format: float32
     values in and out; `stored(a, i, v)` stores v and returns the value as stored, back in
     float32; `part(raw, v)` is value v of 8 raw bytes (`load_u64`) as float32;
@@ -387,7 +387,7 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
     (1, or `lanes_for`); with `wide` they read them with one 8-byte load (the arrays they
     read must then be 8-byte aligned), without it one load a value: the same sums in the
     same order, so the two give bitwise identical results."""
-    load, store, stored, part, encode = _io(storage)
+    load, store, stored, part, encode = storage_io(storage)
     LANES = lanes
     if wide:
         if lanes != _lanes_in_8_bytes(storage):

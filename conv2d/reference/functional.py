@@ -27,7 +27,7 @@ from conv2d import activations
 from conv2d.arrays import host_array, to_library
 from conv2d.checks import check_numpy, check_shape_dtype, input_spec
 from conv2d.dtypes import compute_dtype, storage_dtype
-from conv2d.reference import conv, norm
+from conv2d.reference import conv, norm, optim
 from conv2d.spec import LayerSpec, Normalization
 from conv2d.state import RUNNING, grad_layout, state_layout
 
@@ -229,6 +229,15 @@ class Functions:
         view = saved.pre.view()
         view.flags.writeable = False
         return view
+
+    # Optimizer updates of one parameter (conv2d.optim), in place.
+    def adam_update(self, value: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray,
+                    master: np.ndarray | None, h: dict) -> None:
+        optim.adam(value, grad, m, v, master, h)
+
+    def sgd_update(self, value: np.ndarray, grad: np.ndarray, buf: np.ndarray | None, master: np.ndarray | None,
+                   h: dict) -> None:
+        optim.sgd(value, grad, buf, master, h)
 
     # Memory: the layer's arrays are NumPy arrays of the state layout's shapes.
     def from_host(self, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -1,0 +1,161 @@
+"""Optimizers over layers' parameters, in place, on either backend, deterministic.
+
+    opt = Adam(model)          # a Conv2d, a Sequential, or a list of them
+    ...forward, backward...
+    opt.step()                 # updates every parameter from its accumulated gradient
+    opt.zero_grad()            # the layers' zero_gradient()
+
+`Adam` computes as rl_tools' `nn/optimizers/adam` by default (preset "tensorflow":
+alpha 1e-3, beta1 0.9, beta2 0.999, eps = eps_sqrt = 1e-7; preset "pytorch" sets
+eps = eps_sqrt = 1e-8), with t the step count from 1:
+
+    m = beta1 m + (1 - beta1) g          v = beta2 v + (1 - beta2) g^2
+    update = alpha / (1 - beta1^t) * m / (sqrt(max(v / (1 - beta2^t), eps_sqrt)) + eps)
+    update += value * weight_decay / 2   (weights and gamma only)
+    value -= update
+
+and, with preset "torch" / "torch_adamw", exactly as `torch.optim.Adam` / `AdamW` do
+(weight decay on every parameter: added to the gradient, or decoupled). `SGD` computes as
+`torch.optim.SGD` (momentum, dampening, Nesterov, weight decay). 16-bit parameters keep a
+float32 master copy here (the original's master parameters); moments are float32 (float64
+for float64 layers). The arithmetic of one parameter is `conv2d/reference/optim.py`
+(NumPy) or `conv2d/cuda/optim.py` (a kernel a parameter), per the layer's backend.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import numpy as np
+
+from conv2d.dtypes import compute_dtype, storage_dtype
+from conv2d.layer import Conv2d
+
+ADAM_PRESETS = {
+    "tensorflow": dict(rule="rl_tools", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-7, eps_sqrt=1e-7),
+    "pytorch": dict(rule="rl_tools", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, eps_sqrt=1e-8),
+    "torch": dict(rule="torch", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, eps_sqrt=0.0),
+    "torch_adamw": dict(rule="torch_w", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, eps_sqrt=0.0),
+}
+DECAYED = ("weights", "gamma")  # what rl_tools' weight decay applies to
+
+
+def _layers(model: Any) -> list[Conv2d]:
+    if isinstance(model, Conv2d):
+        return [model]
+    layers = getattr(model, "layers", model)
+    if isinstance(layers, Iterable):
+        out = list(layers)
+        if out and all(isinstance(layer, Conv2d) for layer in out):
+            return out
+    raise TypeError(f"model: expected a Conv2d, a Sequential or a list of Conv2d, got {type(model).__name__}")
+
+
+def _number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False,
+            high_open: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+        raise ValueError(f"{name}: expected a number in {lo}{low}, {high}{hi}, got {value!r}")
+    return float(value)
+
+
+class _Optimizer:
+    """The state common to both: the layers, the step count, and per parameter the
+    optimizer's arrays on the layer's backend (and a float32 master copy of 16-bit ones)."""
+
+    def __init__(self, model: Any) -> None:
+        self.layers = _layers(model)
+        self.t = 0
+        self.state: list[dict[str, dict[str, Any]]] = []
+        for layer in self.layers:
+            params = layer.state_dict()
+            fn = layer.functions
+            per = {}
+            for name in layer.parameters():
+                value = params[name]
+                ct = compute_dtype(layer.spec.dtype)
+                arrays = {k: np.zeros(value.shape, ct) for k in self._buffers()}
+                if value.dtype != ct and value.dtype == storage_dtype(layer.spec.dtype):
+                    arrays["master"] = value.astype(np.float32)
+                per[name] = fn.from_host(arrays)
+            self.state.append(per)
+
+    def _buffers(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        """Zero every layer's accumulated gradients."""
+        for layer in self.layers:
+            layer.zero_gradient()
+
+    def step(self) -> None:
+        """Update every parameter from its layer's accumulated gradient, in place."""
+        self.t += 1
+        for layer, per in zip(self.layers, self.state):
+            params, grads, fn = layer.parameters(), layer.gradients(), layer.functions
+            for name, value in params.items():
+                self._update(fn, name, value, grads[name], per[name])
+            layer.parameters_changed()
+
+    def _update(self, fn: Any, name: str, value: Any, grad: Any, arrays: dict) -> None:
+        raise NotImplementedError
+
+
+class Adam(_Optimizer):
+    """Adam over the parameters of `model`; see the module docstring for the presets.
+    `lr` is rl_tools' alpha."""
+
+    def __init__(self, model: Any, preset: str = "tensorflow", lr: float | None = None,
+                 betas: tuple[float, float] | None = None, eps: float | None = None, eps_sqrt: float | None = None,
+                 weight_decay: float = 0.0) -> None:
+        if preset not in ADAM_PRESETS:
+            raise ValueError(f"preset: expected one of {sorted(ADAM_PRESETS)}, got {preset!r}")
+        h = dict(ADAM_PRESETS[preset])
+        if lr is not None:
+            h["lr"] = _number("lr", lr, 0.0, low_open=True)
+        if betas is not None:
+            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+                raise ValueError(f"betas: expected a pair of numbers in [0, 1), got {betas!r}")
+            h["beta1"] = _number("betas[0]", betas[0], 0.0, 1.0, high_open=True)
+            h["beta2"] = _number("betas[1]", betas[1], 0.0, 1.0, high_open=True)
+        if eps is not None:
+            h["eps"] = _number("eps", eps, 0.0)
+        if eps_sqrt is not None:
+            h["eps_sqrt"] = _number("eps_sqrt", eps_sqrt, 0.0)
+        h["weight_decay"] = _number("weight_decay", weight_decay, 0.0)
+        self.hyper = h
+        super().__init__(model)
+
+    def _buffers(self) -> tuple[str, ...]:
+        return ("m", "v")
+
+    def _update(self, fn: Any, name: str, value: Any, grad: Any, arrays: dict) -> None:
+        h, t = self.hyper, self.t
+        step = dict(h, decay=name in DECAYED and h["weight_decay"] > 0,
+                    c1=1.0 / (1.0 - h["beta1"] ** t), c2=1.0 / (1.0 - h["beta2"] ** t),
+                    step_size=h["lr"] / (1.0 - h["beta1"] ** t), bc2_sqrt=(1.0 - h["beta2"] ** t) ** 0.5)
+        fn.adam_update(value, grad, arrays["m"], arrays["v"], arrays.get("master"), step)
+
+
+class SGD(_Optimizer):
+    """torch.optim.SGD's rule over the parameters of `model`."""
+
+    def __init__(self, model: Any, lr: float, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False) -> None:
+        self.hyper = dict(lr=_number("lr", lr, 0.0, low_open=True), momentum=_number("momentum", momentum, 0.0),
+                          dampening=_number("dampening", dampening, 0.0, 1.0),
+                          weight_decay=_number("weight_decay", weight_decay, 0.0), nesterov=nesterov)
+        if not isinstance(nesterov, bool):
+            raise TypeError(f"nesterov: expected a bool, got {nesterov!r}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov: needs a momentum > 0 and zero dampening (as torch.optim.SGD)")
+        super().__init__(model)
+
+    def _buffers(self) -> tuple[str, ...]:
+        return ("buf",) if self.hyper["momentum"] > 0 else ()
+
+    def _update(self, fn: Any, name: str, value: Any, grad: Any, arrays: dict) -> None:
+        fn.sgd_update(value, grad, arrays.get("buf"), arrays.get("master"), dict(self.hyper, first=self.t == 1))

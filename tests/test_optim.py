@@ -1,0 +1,152 @@
+"""conv2d.optim: Adam (rl_tools' formula, and torch's presets) and SGD, in place on a
+layer's parameters, on the reference backend (float64, against torch.optim and the
+formula written out here) and the CUDA backend's kernels (in numba's simulator without a
+GPU) against the reference."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import HAVE_GPU, make_layer
+from conv2d import LayerSpec
+from conv2d.optim import SGD, Adam
+from conv2d.state import RUNNING
+
+SPEC = LayerSpec(batch_size=2, in_height=5, in_width=4, in_channels=2, out_channels=3, kernel=3, padding=1,
+                 activation="relu", normalization="batch_norm", dtype="float64")
+STEPS = 20
+
+
+def gradient_sequence(spec, steps=STEPS, seed=4):
+    rng = np.random.default_rng(seed)
+    layer = make_layer(spec)
+    return [{k: rng.standard_normal(g.shape).astype(g.dtype) for k, g in layer.grad_dict().items()}
+            for _ in range(steps)]
+
+
+def run_ours(layer, opt, grads):
+    for g in grads:
+        layer.load_grad_dict(g)
+        opt.step()
+    return {k: v for k, v in layer.state_dict().items() if k not in RUNNING}
+
+
+def run_torch(state, make_opt, grads):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    params = {k: torch.tensor(v, requires_grad=True) for k, v in state.items() if k not in RUNNING}
+    opt = make_opt(list(params.values()))
+    for g in grads:
+        for k, p in params.items():
+            p.grad = torch.tensor(g[k])
+        opt.step()
+    return {k: p.detach().numpy() for k, p in params.items()}
+
+
+@pytest.mark.parametrize("case", ["adam", "adam_l2", "adamw", "sgd", "sgd_momentum", "sgd_nesterov"])
+def test_the_torch_presets_match_torch_optim_in_float64(case):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    layer = make_layer(SPEC)
+    grads = gradient_sequence(SPEC)
+    ours, theirs = {
+        "adam": (lambda m: Adam(m, preset="torch", lr=1e-2), lambda p: torch.optim.Adam(p, lr=1e-2)),
+        "adam_l2": (lambda m: Adam(m, preset="torch", lr=1e-2, weight_decay=0.1),
+                    lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1)),
+        "adamw": (lambda m: Adam(m, preset="torch_adamw", lr=1e-2, weight_decay=0.1),
+                  lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
+        "sgd": (lambda m: SGD(m, lr=0.05, weight_decay=0.01), lambda p: torch.optim.SGD(p, lr=0.05, weight_decay=0.01)),
+        "sgd_momentum": (lambda m: SGD(m, lr=0.05, momentum=0.9, dampening=0.1),
+                         lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1)),
+        "sgd_nesterov": (lambda m: SGD(m, lr=0.05, momentum=0.9, nesterov=True),
+                         lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True)),
+    }[case]
+    want = run_torch(layer.state_dict(), theirs, grads)
+    got = run_ours(layer, ours(layer), grads)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-14, err_msg=k)
+
+
+@pytest.mark.parametrize("preset", ["tensorflow", "pytorch"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+def test_adam_computes_rl_tools_formula_in_float64(preset, weight_decay):
+    layer = make_layer(SPEC)
+    grads = gradient_sequence(SPEC)
+    eps = {"tensorflow": 1e-7, "pytorch": 1e-8}[preset]
+    lr, b1, b2 = 3e-3, 0.9, 0.999
+    want = {k: v.copy() for k, v in layer.state_dict().items() if k not in RUNNING}
+    m = {k: np.zeros_like(v) for k, v in want.items()}
+    v2 = {k: np.zeros_like(v) for k, v in want.items()}
+    for t, g in enumerate(grads, start=1):
+        for k in want:
+            m[k] = b1 * m[k] + (1 - b1) * g[k]
+            v2[k] = b2 * v2[k] + (1 - b2) * g[k] ** 2
+            update = lr / (1 - b1 ** t) * m[k] / (np.sqrt(np.maximum(v2[k] / (1 - b2 ** t), eps)) + eps)
+            if k in ("weights", "gamma"):
+                update = update + want[k] * weight_decay / 2
+            want[k] = want[k] - update
+    got = run_ours(layer, Adam(layer, preset=preset, lr=lr, weight_decay=weight_decay), grads)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-15, err_msg=k)
+
+
+def test_16_bit_parameters_keep_float32_master_copies():
+    spec = dataclasses.replace(SPEC, dtype="bfloat16")
+    layer = make_layer(spec)
+    tiny = {k: np.full(g.shape, 1.0, g.dtype) for k, g in layer.grad_dict().items()}
+    opt = SGD(layer, lr=1e-4)  # far below a bfloat16 ulp of the weights
+    before = layer.state_dict()["weights"].astype(np.float32)
+    for _ in range(100):
+        layer.load_grad_dict(tiny)
+        opt.step()
+    after = layer.state_dict()["weights"].astype(np.float32)
+    # 100 steps of 1e-4 move the master by 1e-2, which the stored weights show; without a
+    # master each step would round back to where it was.
+    np.testing.assert_allclose(after, before - 100 * 1e-4, atol=8e-3)
+    assert np.abs(after - before).max() > 5e-3
+
+
+def test_a_step_marks_the_parameters_changed_and_zero_grad_clears():
+    layer = make_layer(SPEC)
+    from conftest import random_inputs
+
+    x, dy = random_inputs(SPEC)
+    opt = Adam(layer)
+    layer.forward(x)
+    layer.backward(x, dy)
+    opt.step()
+    with pytest.raises(RuntimeError, match="the parameters changed"):
+        layer.backward(x, dy)
+    opt.zero_grad()
+    assert all((g == 0).all() for g in layer.grad_dict().values())
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(lr=0.0), "lr: expected a number in"), (dict(betas=(0.9, 1.0)), r"betas\[1\]"),
+    (dict(preset="adamax"), "preset: expected one of"), (dict(weight_decay=-1.0), "weight_decay"),
+])
+def test_bad_hyper_parameters_are_refused_naming_them(bad, message):
+    with pytest.raises(ValueError, match=message):
+        Adam(make_layer(SPEC), **bad)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd_nesterov"])
+def test_the_cuda_update_matches_the_reference_and_repeats_bitwise(kind, dtype):
+    pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (the test extra brings it)")
+    spec = dataclasses.replace(SPEC, dtype=dtype)
+    options = {} if HAVE_GPU else {"convolutions": __import__("host_convolutions").HostConvolutions}
+    make = {"adam": lambda m: Adam(m, lr=1e-2, weight_decay=0.1),
+            "adamw": lambda m: Adam(m, preset="torch_adamw", lr=1e-2, weight_decay=0.1),
+            "sgd_nesterov": lambda m: SGD(m, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)}[kind]
+    grads = gradient_sequence(spec, steps=3)
+    runs = []
+    for _ in range(2):
+        layer = make_layer(spec, backend="cuda", **options)
+        runs.append(run_ours(layer, make(layer), grads))
+    ref = make_layer(spec)
+    want = run_ours(ref, make(ref), grads)
+    tol = 1e-2 if dtype == "bfloat16" else 1e-5
+    for k in want:
+        np.testing.assert_array_equal(runs[0][k].view(np.uint8), runs[1][k].view(np.uint8), err_msg=k)
+        np.testing.assert_allclose(runs[0][k].astype(np.float64), want[k].astype(np.float64), rtol=tol, atol=tol,
+                                   err_msg=k)
