@@ -5,7 +5,9 @@ from conv2d.activations import Activation
 from conv2d.backend import register_backend
 from conv2d.io import load, save
 from conv2d.layer import Conv2d
+from conv2d.sequential import Sequential
 from conv2d.spec import DType, LayerSpec, Normalization, RunningVariance
 
-__all__ = ["Activation", "Conv2d", "DType", "LayerSpec", "Normalization", "RunningVariance", "load", "register_backend", "save"]
+__all__ = ["Activation", "Conv2d", "DType", "LayerSpec", "Normalization", "RunningVariance", "Sequential", "load",
+           "register_backend", "save"]
 __version__ = "0.1.0"

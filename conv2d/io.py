@@ -23,9 +23,11 @@ import numpy as np
 
 from conv2d.dtypes import storage_dtype
 from conv2d.layer import Conv2d
+from conv2d.sequential import Sequential
 from conv2d.spec import CALL_FIELDS, DType, LayerSpec
 
 FORMAT = "conv2d"
+SEQUENTIAL_FORMAT = "conv2d-sequential"
 VERSION = 1
 
 
@@ -45,17 +47,20 @@ def _digest(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
-def save(layer: Conv2d, path: str | os.PathLike) -> None:
-    """Write `layer`'s spec and state to `path` (.npz), atomically: a failed write leaves any
-    existing file as it was."""
-    if not isinstance(layer, Conv2d):
-        raise TypeError(f"layer: expected a Conv2d, got {type(layer).__name__}")
+def save(layer: Conv2d | Sequential, path: str | os.PathLike) -> None:
+    """Write a layer's (or a Sequential's) specs and state to `path` (.npz), atomically: a
+    failed write leaves any existing file as it was."""
+    if isinstance(layer, Sequential):
+        described = {"format": SEQUENTIAL_FORMAT, "specs": [item.spec.to_dict() for item in layer]}
+    elif isinstance(layer, Conv2d):
+        described = {"format": FORMAT, "spec": layer.spec.to_dict()}
+    else:
+        raise TypeError(f"layer: expected a Conv2d or a Sequential, got {type(layer).__name__}")
     path = Path(path)
     state = layer.state_dict()
     header = {
-        "format": FORMAT,
+        **described,
         "version": VERSION,
-        "spec": layer.spec.to_dict(),
         "arrays": {k: {"dtype": _dtype_name(v.dtype), "shape": list(v.shape), "sha256": _digest(v)}
                    for k, v in state.items()},
     }
@@ -72,7 +77,7 @@ def save(layer: Conv2d, path: str | os.PathLike) -> None:
         raise
 
 
-def _read(path: Path) -> tuple[LayerSpec, dict[str, np.ndarray]]:
+def _read(path: Path) -> tuple[list[LayerSpec] | LayerSpec, dict[str, np.ndarray]]:
     where = f"load({str(path)!r})"
     try:
         with np.load(path, allow_pickle=False) as archive:
@@ -85,12 +90,17 @@ def _read(path: Path) -> tuple[LayerSpec, dict[str, np.ndarray]]:
         header = json.loads(files.pop("header").tobytes().decode())
     except (KeyError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{where}: missing or unreadable header: {e!r}") from e
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
+    if not isinstance(header, dict) or header.get("format") not in (FORMAT, SEQUENTIAL_FORMAT):
         raise ValueError(f"{where}: not a conv2d file (header format {header.get('format') if isinstance(header, dict) else header!r})")
     if header.get("version") != VERSION:
         raise ValueError(f"{where}: file format version {header.get('version')!r}, this conv2d reads {VERSION}")
     try:
-        spec = LayerSpec.from_dict(header["spec"])
+        if header["format"] == SEQUENTIAL_FORMAT:
+            if not isinstance(header["specs"], list) or not header["specs"]:
+                raise ValueError("specs: expected a non-empty list")
+            spec = [LayerSpec.from_dict(d) for d in header["specs"]]
+        else:
+            spec = LayerSpec.from_dict(header["spec"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: invalid spec in header: {e}") from e
     described = header.get("arrays", {})
@@ -116,22 +126,35 @@ def _read(path: Path) -> tuple[LayerSpec, dict[str, np.ndarray]]:
     return spec, state
 
 
-def load(path: str | os.PathLike, backend: str = "reference", into: Conv2d | None = None,
-         **backend_options: Any) -> Conv2d:
-    """Read a file written by `save`. Returns a new layer on `backend`, or, with `into`,
-    loads the state into that layer and returns it; the layer's spec must equal the
+def _check_same(path: Path, file_spec: LayerSpec, layer_spec: LayerSpec, what: str) -> None:
+    if not layer_spec.same_layer(file_spec):
+        diff = "; ".join(f"{k}: file {a!r}, layer {b!r}" for k, (a, b) in
+                         file_spec.differences(layer_spec, ignore=CALL_FIELDS).items())
+        raise ValueError(f"load({str(path)!r}): the file's {what} differs from the one loaded into in {diff}")
+
+
+def load(path: str | os.PathLike, backend: str = "reference", into: Conv2d | Sequential | None = None,
+         **backend_options: Any) -> Conv2d | Sequential:
+    """Read a file written by `save`. Returns a new layer (or Sequential) on `backend`, or,
+    with `into`, loads the state into it and returns it; each layer's spec must equal the
     file's but for the planned batch size and input height and width, which the
-    parameters do not depend on.
-    Any problem raises before a layer is changed."""
+    parameters do not depend on. Any problem raises before a layer is changed."""
     path = Path(path)
     spec, state = _read(path)
+    if isinstance(spec, list):
+        if into is None:
+            into = Sequential.from_specs(spec, backend, **backend_options)
+        if not isinstance(into, Sequential) or len(into) != len(spec):
+            raise TypeError(f"into: expected a Sequential of {len(spec)} layers (the file's), got "
+                            f"{type(into).__name__}" + (f" of {len(into)}" if isinstance(into, Sequential) else ""))
+        for i, (file_spec, layer) in enumerate(zip(spec, into)):
+            _check_same(path, file_spec, layer.spec, f"layer {i}")
+        into.load_state_dict(state)
+        return into
     if into is not None:
         if not isinstance(into, Conv2d):
             raise TypeError(f"into: expected a Conv2d, got {type(into).__name__}")
-        if not into.spec.same_layer(spec):
-            diff = "; ".join(f"{k}: file {a!r}, layer {b!r}" for k, (a, b) in
-                             spec.differences(into.spec, ignore=CALL_FIELDS).items())
-            raise ValueError(f"load({str(path)!r}): the file's layer differs from the one loaded into in {diff}")
+        _check_same(path, spec, into.spec, "layer")
         into.load_state_dict(state)
         return into
     layer = Conv2d(spec, backend, **backend_options)

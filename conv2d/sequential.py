@@ -1,0 +1,147 @@
+"""`Sequential`: a stack of `Conv2d` layers, forward through them and backward in reverse.
+
+A convolution whose kernel covers its whole input is a dense layer, so an
+all-convolutional network needs nothing else: a classifier ends in a layer of kernel
+(H, W) giving (N, 1, 1, classes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+
+from conv2d.layer import Conv2d
+from conv2d.spec import LayerSpec
+
+
+class Sequential:
+    """Layers applied in order; each layer's out_channels is the next one's in_channels.
+
+    `forward` keeps what each layer's backward needs (the layers keep their own saved
+    values, this stack their inputs); `backward(x, d_y)` accumulates every layer's
+    parameter gradients, `backward_full` also returns d_x. State and gradient dicts key
+    each layer's entries by its index: "0.weights", "1.gamma", ...
+    """
+
+    def __init__(self, layers: list[Conv2d]) -> None:
+        layers = list(layers)
+        if not layers or not all(isinstance(layer, Conv2d) for layer in layers):
+            raise TypeError(f"layers: expected a non-empty list of Conv2d, got "
+                            f"{[type(layer).__name__ for layer in layers]}")
+        for i in range(1, len(layers)):
+            a, b = layers[i - 1].spec, layers[i].spec
+            if a.out_channels != b.in_channels:
+                raise ValueError(f"layers[{i}]: in_channels {b.in_channels} differs from layers[{i - 1}]'s "
+                                 f"out_channels {a.out_channels}")
+            if a.dtype is not b.dtype or layers[i].backend != layers[0].backend:
+                raise ValueError(f"layers[{i}]: dtype {b.dtype.value} on {layers[i].backend!r} differs from "
+                                 f"layers[0]'s {layers[0].spec.dtype.value} on {layers[0].backend!r}")
+        self.layers = layers
+        self._inputs: list[Any] | None = None
+
+    @classmethod
+    def from_specs(cls, specs: list[LayerSpec], backend: str = "reference", **options: Any) -> "Sequential":
+        return cls([Conv2d(spec, backend, **options) for spec in specs])
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Iterator[Conv2d]:
+        return iter(self.layers)
+
+    def __getitem__(self, i: int) -> Conv2d:
+        return self.layers[i]
+
+    def __repr__(self) -> str:
+        return "Sequential([\n" + "".join(f"  {layer!r},\n" for layer in self.layers) + "])"
+
+    @property
+    def backend(self) -> str:
+        return self.layers[0].backend
+
+    def evaluate(self, x: Any) -> Any:
+        """Inference through every layer (running statistics; nothing kept)."""
+        for layer in self.layers:
+            x = layer.evaluate(x)
+        return x
+
+    def forward(self, x: Any, training: bool = True) -> Any:
+        """Through every layer, keeping what backward needs."""
+        inputs = []
+        for layer in self.layers:
+            inputs.append(x)
+            x = layer.forward(x, training)
+        self._inputs = inputs
+        return x
+
+    def _backward(self, x: Any, d_y: Any, want_input: bool) -> Any:
+        if self._inputs is None:
+            raise RuntimeError("backward: no forward pass to differentiate; call forward(x) first")
+        if x is not self._inputs[0]:
+            self.layers[0]._last_forward(x, check_x=True)  # the first layer says what is wrong with x
+        d = d_y
+        for i in range(len(self.layers) - 1, 0, -1):
+            d = self.layers[i].backward_full(self._inputs[i], d)
+        first = self.layers[0]
+        if want_input:
+            return first.backward_full(x, d)
+        first.backward(x, d)
+        return None
+
+    def backward(self, x: Any, d_y: Any) -> None:
+        """Accumulate every layer's parameter gradients; `x` is the last forward's input."""
+        self._backward(x, d_y, want_input=False)
+
+    def backward_full(self, x: Any, d_y: Any) -> Any:
+        """Accumulate every layer's parameter gradients and return d_x."""
+        return self._backward(x, d_y, want_input=True)
+
+    def zero_gradient(self) -> None:
+        for layer in self.layers:
+            layer.zero_gradient()
+
+    def init_weights(self, rng: np.random.Generator) -> None:
+        """Each layer's `init_weights` in order, from the one generator."""
+        for layer in self.layers:
+            layer.init_weights(rng)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {f"{i}.{k}": v for i, layer in enumerate(self.layers) for k, v in layer.state_dict().items()}
+
+    def grad_dict(self) -> dict[str, np.ndarray]:
+        return {f"{i}.{k}": v for i, layer in enumerate(self.layers) for k, v in layer.grad_dict().items()}
+
+    def _split(self, what: str, arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        if not isinstance(arrays, dict):
+            raise TypeError(f"{what}: expected a dict of arrays, got {type(arrays).__name__}")
+        parts: list[dict[str, np.ndarray]] = [{} for _ in self.layers]
+        for key, value in arrays.items():
+            index, _, name = str(key).partition(".")
+            if not index.isdigit() or int(index) >= len(self.layers) or not name:
+                raise KeyError(f"{what}: key {key!r} is not '<layer index>.<name>' for {len(self.layers)} layers")
+            parts[int(index)][name] = value
+        return parts
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Every layer's state, all checked before any layer changes."""
+        from conv2d.state import check_arrays, state_layout
+
+        parts = self._split("state", state)
+        for i, (layer, part) in enumerate(zip(self.layers, parts)):
+            check_arrays(f"state[layer {i}]", part, state_layout(layer.spec), finite=True)
+        for layer, part in zip(self.layers, parts):
+            layer.load_state_dict(part)
+
+    def load_grad_dict(self, grads: dict[str, np.ndarray]) -> None:
+        from conv2d.state import check_arrays, grad_layout
+
+        parts = self._split("grads", grads)
+        for i, (layer, part) in enumerate(zip(self.layers, parts)):
+            check_arrays(f"grads[layer {i}]", part, grad_layout(layer.spec), finite=False)
+        for layer, part in zip(self.layers, parts):
+            layer.load_grad_dict(part)
+
+    def to(self, backend: str, **options: Any) -> "Sequential":
+        """A copy of the stack, state and gradients, on `backend`."""
+        return Sequential([layer.to(backend, **options) for layer in self.layers])
