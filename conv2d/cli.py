@@ -4,127 +4,55 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Sequence
 
-import numpy as np
-
-from conv2d.dtypes import UNIT_ROUNDOFF, storage_dtype
-from conv2d.host import as_numpy
-from conv2d.layer import Conv2d
-from conv2d.spec import LayerSpec
-
-DEMO_SPEC = dict(batch_size=32, in_height=16, in_width=16, in_channels=3, out_channels=8,
-                 kernel=3, stride=1, padding=1, activation="tanh")
-
-
-def demo(args: argparse.Namespace) -> int:
-    """Train a student layer to reproduce a teacher of the same spec, by SGD with momentum
-    on half the mean squared error of their outputs on fresh Gaussian inputs."""
-    from tqdm import tqdm
-
-    if args.plot:
-        _require_matplotlib()  # before training, not after it
-
-    spec = LayerSpec(**DEMO_SPEC, normalization=args.normalization, dtype=args.dtype)
-    rng = np.random.default_rng(args.seed)
-    teacher = Conv2d(spec, "reference")
-    teacher.init_weights(np.random.default_rng(args.seed + 1))
-    student = Conv2d(spec, args.backend)
-    student.init_weights(np.random.default_rng(args.seed + 2))
-    st = storage_dtype(spec.dtype)
-    velocity = {k: np.zeros(v.shape, np.float64) for k, v in student.grad_dict().items()}
-    held_out = rng.standard_normal(spec.input_shape).astype(st)
-    target = args.target if args.target is not None else max(1e-3, 8 * UNIT_ROUNDOFF[spec.dtype])
-
-    def output_error() -> float:
-        # Inference on inputs never trained on; with batch norm both layers use their
-        # running statistics, so the student must have learnt those too.
-        want = teacher.evaluate(held_out).astype(np.float64)
-        got = as_numpy(student.evaluate(held_out), st).astype(np.float64)
-        return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-    print(f"demo: {spec.batch_size}x{spec.in_height}x{spec.in_width}x{spec.in_channels} -> "
-          f"{spec.out_channels} channels, kernel {spec.kernel}, {spec.activation.value}, "
-          f"{spec.normalization.value}, {spec.dtype.value}, backend {args.backend}; "
-          f"{args.steps} SGD steps, lr {args.lr}, momentum 0.9")
-    losses = []
-    start = time.perf_counter()
-    bar = tqdm(range(args.steps), desc="training", unit="step", file=sys.stderr,
-               disable=args.quiet, mininterval=0.5)
-    for step in bar:
-        x = rng.standard_normal(spec.input_shape).astype(st)
-        # The teacher runs as the student does, so that with batch norm both use batch
-        # statistics and both keep running ones.
-        want = teacher.forward(x, training=True).astype(np.float64)
-        y = as_numpy(student.forward(x, training=True), st).astype(np.float64)
-        diff = y - want
-        loss = 0.5 * float((diff * diff).mean())
-        losses.append(loss)
-        student.zero_gradient()
-        student.backward(x, (diff / diff.size).astype(st))
-        state = student.state_dict()
-        for k, g in student.grad_dict().items():
-            velocity[k] = 0.9 * velocity[k] + g.astype(np.float64)
-            state[k] = (state[k].astype(np.float64) - args.lr * velocity[k]).astype(state[k].dtype)
-        student.load_state_dict(state)
-        if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
-            bar.write(f"step {step:5d}  loss {loss:.3e}  held-out relative error {output_error():.3e}")
-    elapsed = time.perf_counter() - start
-    err = output_error()
-    if args.plot:
-        _plot(losses, args.plot)
-        print(f"demo: loss plot written to {args.plot}")
-    ok = err < target
-    verdict = "matches" if ok else "does NOT match"
-    print(f"demo: the student {verdict} the teacher: held-out relative error {err:.2e} "
-          f"({'<' if ok else '>='} {target:g}), loss {losses[0]:.2e} -> {losses[-1]:.2e}, "
-          f"{args.steps} steps in {elapsed:.1f} s")
-    return 0 if ok else 1
-
-
-def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(f"--plot needs matplotlib: pip install 'conv2d[plot]' ({e})")
-
-
-def _plot(losses: list[float], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.semilogy(losses)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (0.5 * mean squared error)")
-    ax.set_title("conv2d demo: student vs teacher")
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+TASKS = {"digits": "an all-convolutional classifier of scikit-learn's digits (the main job)",
+         "breakout": "DQN on MinAtar Breakout: act at batch 1, train at batch 32, same layers",
+         "fit": "a student layer learns to match a teacher layer (a numerical check)"}
+# Per-task defaults of the options they share.
+DEFAULTS = {"digits": dict(lr=3e-3, target=0.98, steps=None),
+            "breakout": dict(lr=1e-3, target=5.0, steps=60_000),
+            "fit": dict(lr=0.5, target=None, steps=300)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conv2d", description="conv2d command line")
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="train a student layer to match a teacher layer")
+    d = sub.add_parser("demo", help="train a network with conv2d layers",
+                       description="; ".join(f"{k}: {v}" for k, v in TASKS.items()))
+    d.add_argument("--task", default="digits", choices=list(TASKS))
     d.add_argument("--backend", default="reference", choices=["reference", "cuda"])
     d.add_argument("--dtype", default="float32", choices=["float64", "float32", "float16", "bfloat16"])
-    d.add_argument("--normalization", default="none", choices=["none", "batch_norm", "layer_norm"])
-    d.add_argument("--steps", type=int, default=300)
-    d.add_argument("--lr", type=float, default=0.5)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--lr", type=float, default=None, help="learning rate (default per task: "
+                   + ", ".join(f"{k} {v['lr']:g}" for k, v in DEFAULTS.items()) + ")")
     d.add_argument("--target", type=float, default=None,
-                   help="held-out relative output error to reach (default 1e-3, or 8 units "
-                        "of roundoff of a 16-bit dtype)")
-    d.add_argument("--plot", metavar="PNG", help="write the loss curve to this PNG file")
+                   help="what to reach: held-out accuracy (digits, default 0.98), mean return of the last 50 "
+                        "episodes (breakout, default 5), held-out relative output error (fit, default 1e-3 or 8 "
+                        "units of roundoff of a 16-bit dtype)")
+    d.add_argument("--steps", type=int, default=None, help="training steps (breakout 60000, fit 300)")
+    d.add_argument("--epochs", type=int, default=15, help="digits: passes over the training images")
+    d.add_argument("--batch-size", type=int, default=32, help="digits and breakout: the training batch")
+    d.add_argument("--normalization", default="none", choices=["none", "batch_norm", "layer_norm"],
+                   help="fit: the layer's norm")
+    d.add_argument("--plot", metavar="PNG", help="write the training curves to this PNG file")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error(f"--steps: expected an int >= 1, got {args.steps}")
-    return demo(args)
+    for k, v in DEFAULTS[args.task].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    for name in ("steps", "epochs", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected an int >= 1, got {value}")
+    if args.task == "digits":
+        from conv2d.demos import digits
+        return digits.run(args)
+    if args.task == "breakout":
+        from conv2d.demos import breakout
+        return breakout.run(args)
+    from conv2d.demos import fit
+    return fit.run(args)
 
 
 if __name__ == "__main__":

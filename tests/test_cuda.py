@@ -269,10 +269,18 @@ def test_to_moves_state_and_gradients_both_ways():
             np.testing.assert_array_equal(d_b[k], d_a[k], err_msg=k)
 
 
-def test_demo_runs_on_the_gpu(capsys):
+def test_the_digits_demo_reaches_its_accuracy_on_the_gpu(capsys):
+    pytest.importorskip("sklearn", reason="scikit-learn (the demo extra) is not installed")
     from conv2d.cli import main
 
     assert main(["demo", "--quiet", "--backend", "cuda"]) == 0
+    assert ">= target 0.98" in capsys.readouterr().out
+
+
+def test_demo_runs_on_the_gpu(capsys):
+    from conv2d.cli import main
+
+    assert main(["demo", "--task", "fit", "--quiet", "--backend", "cuda"]) == 0
     assert "the student matches the teacher" in capsys.readouterr().out
 
 

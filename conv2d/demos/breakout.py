@@ -1,0 +1,163 @@
+"""`conv2d demo --task breakout`: DQN on MinAtar Breakout (10x10x4 observations, no ROMs;
+the `minatar` package, extra `demo`), with an all-convolutional Q-network that acts on
+one observation (batch 1) and trains on batches of 32, through the same layers.
+
+    (N, 10, 10, 4) -> conv 3x3, 16, ReLU -> (N, 8, 8, 16) -> conv 8x8, 128, ReLU (dense)
+    -> (N, 1, 1, 128) -> conv 1x1, actions -> (N, 1, 1, A) Q-values
+
+A replay buffer of the last 100k transitions, a target network copied by state every
+1000 steps, Adam, epsilon-greedy exploration from 1 to 0.1 over the first 20% of the
+steps, the Huber loss of the TD error with discount 0.99 (as in MinAtar's DQN baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from conv2d.demos.common import require_matplotlib
+from conv2d.dtypes import storage_dtype
+from conv2d.host import as_numpy
+from conv2d.optim import Adam
+from conv2d.sequential import Sequential
+from conv2d.spec import LayerSpec
+
+GAMMA = 0.99
+REPLAY = 100_000
+TARGET_EVERY = 1000
+LEARN_START = 5000
+EPS_END = 0.1
+EPS_FRACTION = 0.2
+WINDOW = 50  # episodes of the reported mean return
+
+
+def q_network(actions: int, batch_size: int, dtype: str, backend: str) -> Sequential:
+    common = dict(batch_size=batch_size, dtype=dtype)
+    return Sequential.from_specs([
+        LayerSpec(in_height=10, in_width=10, in_channels=4, out_channels=16, kernel=3, activation="relu", **common),
+        LayerSpec(in_height=8, in_width=8, in_channels=16, out_channels=128, kernel=8, activation="relu", **common),
+        LayerSpec(in_height=1, in_width=1, in_channels=128, out_channels=actions, kernel=1, activation="identity",
+                  **common),
+    ], backend)
+
+
+def _environment(seed: int):
+    try:
+        from minatar import Environment
+    except ImportError as e:
+        raise SystemExit(f"the breakout demo needs MinAtar: pip install 'conv2d[demo]' ({e})")
+    env = Environment("breakout", sticky_action_prob=0.0)
+    env.seed(seed)
+    return env
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    if args.plot:
+        require_matplotlib()
+    st = storage_dtype(args.dtype)
+    env = _environment(args.seed)
+    actions = env.minimal_action_set()
+    q = q_network(len(actions), args.batch_size, args.dtype, args.backend)
+    q.init_weights(np.random.default_rng(args.seed))
+    target = q_network(len(actions), args.batch_size, args.dtype, args.backend)
+    target.load_state_dict(q.state_dict())
+    opt = Adam(q, lr=args.lr, preset="pytorch")
+    rng = np.random.default_rng(args.seed + 1)
+    n = min(REPLAY, args.steps)
+    obs = np.zeros((n, 10, 10, 4), st)
+    next_obs = np.zeros((n, 10, 10, 4), st)
+    taken = np.zeros(n, np.int64)
+    rewards = np.zeros(n, np.float64)
+    done = np.zeros(n, np.float64)
+    learn_start = min(LEARN_START, max(args.batch_size, args.steps // 10))
+    print(f"demo: MinAtar breakout DQN, {args.steps} steps, Q-network of 3 conv2d layers ({args.dtype}, backend "
+          f"{args.backend}) acting at batch 1 and training at batch {args.batch_size}, Adam lr {args.lr}")
+    env.reset()
+    state = env.state().astype(st)
+    returns: list[float] = []
+    ends: list[int] = []
+    episode = 0.0
+    start = time.perf_counter()
+    bar = tqdm(range(args.steps), desc="training", unit="step", file=sys.stderr, disable=args.quiet,
+               mininterval=0.5)
+    for step in bar:
+        eps = max(EPS_END, 1.0 - (1.0 - EPS_END) * step / max(1, EPS_FRACTION * args.steps))
+        if rng.random() < eps:
+            a = int(rng.integers(len(actions)))
+        else:
+            values = as_numpy(q.evaluate(state[None]), st).astype(np.float64).reshape(-1)
+            a = int(values.argmax())
+        r, terminal = env.act(actions[a])
+        new_state = env.state().astype(st)
+        i = step % n
+        obs[i], next_obs[i], taken[i], rewards[i], done[i] = state, new_state, a, r, float(terminal)
+        episode += r
+        if terminal:
+            returns.append(episode)
+            ends.append(step)
+            episode = 0.0
+            env.reset()
+            state = env.state().astype(st)
+            if len(returns) % 50 == 0:
+                bar.write(f"step {step + 1:6d}  episodes {len(returns):5d}  mean return of the last {WINDOW} "
+                          f"{np.mean(returns[-WINDOW:]):.2f}  epsilon {eps:.2f}")
+        else:
+            state = new_state
+        if step + 1 >= learn_start:
+            _learn(q, target, opt, rng, (obs, next_obs, taken, rewards, done), min(step + 1, n), args.batch_size, st)
+        if (step + 1) % TARGET_EVERY == 0:
+            target.load_state_dict(q.state_dict())
+    bar.close()
+    elapsed = time.perf_counter() - start
+    if args.plot:
+        _plot(ends, returns, args.plot)
+        print(f"demo: return curve written to {args.plot}")
+    last = float(np.mean(returns[-WINDOW:])) if returns else 0.0
+    first = float(np.mean(returns[:WINDOW])) if returns else 0.0
+    ok = last >= args.target
+    print(f"demo: breakout mean return of the last {WINDOW} episodes {last:.2f} ({'>=' if ok else '<'} target "
+          f"{args.target:g}; the first {WINDOW}: {first:.2f}), {len(returns)} episodes, {args.steps} steps in "
+          f"{elapsed:.1f} s")
+    return 0 if ok else 1
+
+
+def _learn(q: Sequential, target: Sequential, opt: Adam, rng: np.random.Generator, replay: tuple, size: int,
+           batch: int, st: np.dtype) -> None:
+    """One DQN update on a uniform sample of the replay buffer."""
+    obs, next_obs, taken, rewards, done = replay
+    idx = rng.integers(size, size=batch)
+    s, s2 = obs[idx], next_obs[idx]
+    next_values = as_numpy(target.evaluate(s2), st).astype(np.float64).reshape(batch, -1)
+    y = rewards[idx] + GAMMA * (1.0 - done[idx]) * next_values.max(axis=1)
+    values = as_numpy(q.forward(s, training=True), st).astype(np.float64).reshape(batch, -1)
+    td = values[np.arange(batch), taken[idx]] - y
+    d_values = np.zeros_like(values)
+    d_values[np.arange(batch), taken[idx]] = np.clip(td, -1.0, 1.0) / batch  # the Huber loss's gradient
+    opt.zero_grad()
+    q.backward(s, d_values.reshape(batch, 1, 1, -1).astype(st))
+    opt.step()
+
+
+def _plot(ends: list[int], returns: list[float], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(ends, returns, ".", alpha=0.3, label="episode return")
+    if len(returns) >= WINDOW:
+        mean = np.convolve(returns, np.ones(WINDOW) / WINDOW, mode="valid")
+        ax.plot(ends[WINDOW - 1:], mean, "-", label=f"mean of the last {WINDOW}")
+    ax.set_xlabel("environment step")
+    ax.set_ylabel("return")
+    ax.set_title("conv2d demo: MinAtar breakout, DQN")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
