@@ -37,6 +37,9 @@ def library(a: Any) -> str | None:
 def host_array(name: str, a: Any) -> tuple[np.ndarray, str]:
     """(a NumPy view of `a`, its library) for a NumPy array or a torch CPU tensor; no copy."""
     lib = library(a)
+    if isinstance(a, np.ma.MaskedArray):
+        raise TypeError(f"{name}: expected a numpy.ndarray or a torch CPU tensor, got {describe(a)} (a masked "
+                        f"array: its mask would be ignored)")
     if lib == NUMPY:
         return a, lib
     if lib == TORCH and hasattr(a, "device"):

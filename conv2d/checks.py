@@ -38,8 +38,9 @@ def check_shape_dtype(name: str, a: Any, shape: tuple[int, ...], dtype: np.dtype
 
 def check_numpy(name: str, a: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A C-contiguous NumPy array of `shape` and `dtype`, or a clear error."""
-    if not isinstance(a, np.ndarray):
-        raise TypeError(f"{name}: expected a numpy.ndarray, got {describe(a)}")
+    if not isinstance(a, np.ndarray) or isinstance(a, np.ma.MaskedArray):
+        raise TypeError(f"{name}: expected a numpy.ndarray, got {describe(a)}"
+                        + (" (a masked array: its mask would be ignored)" if isinstance(a, np.ma.MaskedArray) else ""))
     check_shape_dtype(name, a, shape, dtype)
     if not a.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous array, got one with strides {a.strides} "

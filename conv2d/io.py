@@ -1,19 +1,30 @@
-"""Saving and loading a layer: one .npz file holding the spec and the state.
+"""Saving and loading a layer (or a Sequential): one .npz file holding the specs and state.
 
-File format (version 1), a NumPy .npz archive (zip) with:
-- `header`: a uint8 array holding UTF-8 JSON: {"format": "conv2d", "version": 1,
-  "spec": LayerSpec.to_dict(), "arrays": {name: {"dtype", "shape", "sha256"}}};
+File format (version 2), a NumPy .npz archive (zip) with:
+- `header`: a uint8 array holding UTF-8 JSON: {"format": "conv2d", "version": 2,
+  "spec": LayerSpec.to_dict(), "arrays": {name: {"dtype", "shape", "sha256"}},
+  "header_sha256": ...} ("format": "conv2d-sequential" and "specs": [...] for a stack);
+  `header_sha256` is over the canonical JSON of the rest of the header, so an edited
+  spec is caught too (version 1 files, without it, still load);
 - `state.<name>` for every state entry (weights, bias, gamma, beta, running_mean,
-  running_var as the spec has them), C order; bfloat16 arrays are stored as their raw
-  uint16 bits (npz has no bfloat16), the header naming the real dtype.
-`sha256` is over each array's raw bytes, so truncation or tampering is caught on load.
+  running_var as the spec has them; "<layer index>.<name>" in a stack), C order;
+  bfloat16 arrays are stored as their raw uint16 bits (npz has no bfloat16), the header
+  naming the real dtype. `sha256` is over each array's raw bytes.
+
+`load` reads the zip directory and the header first and checks everything it can
+before inflating any array (member names, declared sizes against the arrays' shapes, so
+a zip bomb is refused unread); any damage, foreign or tampered content raises
+`ValueError` and no layer changes. `save` refuses state with NaN or infinite values (a
+NaN batch makes the running statistics NaN): what it writes, `load` reads.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import stat
 import tempfile
 import zipfile
 from pathlib import Path
@@ -25,17 +36,22 @@ from conv2d.dtypes import storage_dtype
 from conv2d.layer import Conv2d
 from conv2d.sequential import Sequential
 from conv2d.spec import CALL_FIELDS, DType, LayerSpec
+from conv2d.checks import check_finite
 
 FORMAT = "conv2d"
 SEQUENTIAL_FORMAT = "conv2d-sequential"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+MAX_HEADER_BYTES = 1 << 20
+NPY_HEADER_SLACK = 1 << 16  # a .npy member's own header, beyond its array's bytes
+MAX_ARRAY_BYTES = 1 << 40
 
 
 def _dtype_name(dt: np.dtype) -> str:
     return "bfloat16" if dt == storage_dtype(DType.BFLOAT16) else dt.name
 
 
-def _dtype_from_name(name: str) -> np.dtype:
+def _dtype_from_name(name: Any) -> np.dtype:
     if name == "bfloat16":
         return storage_dtype(DType.BFLOAT16)
     if name in ("float16", "float32", "float64"):
@@ -47,82 +63,166 @@ def _digest(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
+def _header_digest(header: dict) -> str:
+    rest = {k: v for k, v in header.items() if k != "header_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
+def _new_file_mode(path: Path) -> int:
+    """The mode `open(path, "w")` would leave: the existing file's, else 0o666 less the umask."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def save(layer: Conv2d | Sequential, path: str | os.PathLike) -> None:
     """Write a layer's (or a Sequential's) specs and state to `path` (.npz), atomically: a
-    failed write leaves any existing file as it was."""
+    failed write leaves any existing file as it was. Written through a temporary file in
+    the same directory, synced, then renamed over the target (through a symbolic link,
+    the file it names); the file's mode is what `open` would give it. State with NaN or
+    infinite values is refused (ValueError naming the array), as `load` would refuse it."""
     if isinstance(layer, Sequential):
         described = {"format": SEQUENTIAL_FORMAT, "specs": [item.spec.to_dict() for item in layer]}
     elif isinstance(layer, Conv2d):
         described = {"format": FORMAT, "spec": layer.spec.to_dict()}
     else:
         raise TypeError(f"layer: expected a Conv2d or a Sequential, got {type(layer).__name__}")
-    path = Path(path)
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected a str or os.PathLike, got {type(path).__name__}")
     state = layer.state_dict()
-    header = {
-        **described,
-        "version": VERSION,
-        "arrays": {k: {"dtype": _dtype_name(v.dtype), "shape": list(v.shape), "sha256": _digest(v)}
-                   for k, v in state.items()},
-    }
+    for k, v in state.items():
+        check_finite(f"save: state[{k!r}]", v)
+    target = Path(path)
+    if target.is_symlink():
+        target = target.resolve()
+    header = {**described, "version": VERSION,
+              "arrays": {k: {"dtype": _dtype_name(v.dtype), "shape": list(v.shape), "sha256": _digest(v)}
+                         for k, v in state.items()}}
+    header["header_sha256"] = _header_digest(header)
     payload = {"header": np.frombuffer(json.dumps(header, sort_keys=True).encode(), dtype=np.uint8)}
     for k, v in state.items():
         payload[f"state.{k}"] = v.view(np.uint16) if _dtype_name(v.dtype) == "bfloat16" else v
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", suffix=".tmp")
+    mode = _new_file_mode(target)
+    directory = target.parent if str(target.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **payload)
-        os.replace(tmp, path)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
     except BaseException:
-        os.unlink(tmp)
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
         raise
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)  # the rename itself, on disk
+    finally:
+        os.close(dir_fd)
 
 
-def _read(path: Path) -> tuple[list[LayerSpec] | LayerSpec, dict[str, np.ndarray]]:
-    where = f"load({str(path)!r})"
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            files = {name: archive[name] for name in archive.files}
-    except FileNotFoundError:
-        raise
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
-        raise ValueError(f"{where}: not a readable conv2d file (truncated or corrupt?): {e}") from e
-    try:
-        header = json.loads(files.pop("header").tobytes().decode())
-    except (KeyError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{where}: missing or unreadable header: {e!r}") from e
+def _check_header(where: str, header: Any) -> tuple[list[LayerSpec] | LayerSpec, dict[str, tuple[np.dtype, tuple, str]]]:
+    """The specs and the declared arrays (dtype, shape, sha256) of a parsed header."""
     if not isinstance(header, dict) or header.get("format") not in (FORMAT, SEQUENTIAL_FORMAT):
-        raise ValueError(f"{where}: not a conv2d file (header format {header.get('format') if isinstance(header, dict) else header!r})")
-    if header.get("version") != VERSION:
-        raise ValueError(f"{where}: file format version {header.get('version')!r}, this conv2d reads {VERSION}")
+        got = header.get("format") if isinstance(header, dict) else type(header).__name__
+        raise ValueError(f"{where}: not a conv2d file (header format {got!r})")
+    version = header.get("version")
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"{where}: file format version {version!r}, this conv2d reads {list(READABLE_VERSIONS)}")
+    if version >= 2 and header.get("header_sha256") != _header_digest(header):
+        raise ValueError(f"{where}: header checksum mismatch (the header was edited or damaged)")
     try:
         if header["format"] == SEQUENTIAL_FORMAT:
             if not isinstance(header["specs"], list) or not header["specs"]:
                 raise ValueError("specs: expected a non-empty list")
-            spec = [LayerSpec.from_dict(d) for d in header["specs"]]
+            spec: list[LayerSpec] | LayerSpec = [LayerSpec.from_dict(d) for d in header["specs"]]
         else:
             spec = LayerSpec.from_dict(header["spec"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: invalid spec in header: {e}") from e
-    described = header.get("arrays", {})
-    stored = {k[len("state."):]: v for k, v in files.items() if k.startswith("state.")}
-    if set(described) != set(stored) or len(stored) != len(files):
-        raise ValueError(f"{where}: header lists arrays {sorted(described)}, file holds {sorted(files)}")
-    state = {}
+    described = header.get("arrays")
+    if not isinstance(described, dict):
+        raise ValueError(f"{where}: header 'arrays' is a {type(described).__name__}, expected a dict")
+    arrays = {}
     for name, meta in described.items():
         try:
-            dt = _dtype_from_name(meta["dtype"])
-            a = stored[name]
-            if dt == storage_dtype(DType.BFLOAT16):
-                if a.dtype != np.uint16:
-                    raise ValueError(f"bfloat16 bits stored as {a.dtype}")
-                a = a.view(dt)
-            if a.dtype != dt or list(a.shape) != list(meta["shape"]):
-                raise ValueError(f"header says {meta['dtype']} {meta['shape']}, array is {a.dtype} {list(a.shape)}")
-            if _digest(a) != meta["sha256"]:
-                raise ValueError("checksum mismatch (the file was modified or damaged)")
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{where}: array {name!r}: {e}") from e
-        state[name] = a
+            if not isinstance(meta, dict):
+                raise ValueError(f"a {type(meta).__name__}, expected a dict")
+            dt = _dtype_from_name(meta.get("dtype"))
+            shape = meta.get("shape")
+            if (not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                       for d in shape)):
+                raise ValueError(f"shape {shape!r}, expected a list of ints >= 0")
+            if math.prod(shape) * dt.itemsize > MAX_ARRAY_BYTES:
+                raise ValueError(f"shape {shape} declares more than {MAX_ARRAY_BYTES} bytes")
+            digest = meta.get("sha256")
+            if not isinstance(digest, str):
+                raise ValueError(f"sha256 {digest!r}, expected a str")
+        except ValueError as e:
+            raise ValueError(f"{where}: array {name!r} in the header: {e}") from e
+        arrays[str(name)] = (dt, tuple(shape), digest)
+    return spec, arrays
+
+
+def _read(path: Path) -> tuple[list[LayerSpec] | LayerSpec, dict[str, np.ndarray]]:
+    where = f"load({str(path)!r})"
+    if not path.exists():
+        raise FileNotFoundError(f"{where}: no such file")
+    if not path.is_file():
+        raise ValueError(f"{where}: not a regular file (a directory, FIFO or device is not read)")
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = {info.filename: info for info in z.infolist()}
+            head = infos.get("header.npy")
+            if head is None:
+                raise ValueError(f"{where}: not a conv2d file (no header; the archive holds {sorted(infos)[:10]})")
+            if head.file_size > MAX_HEADER_BYTES:
+                raise ValueError(f"{where}: a header of {head.file_size} bytes, more than a conv2d header's")
+            with z.open(head) as f:
+                raw = np.lib.format.read_array(f, allow_pickle=False)
+            if raw.dtype != np.uint8 or raw.ndim != 1:
+                raise ValueError(f"{where}: header stored as {raw.dtype} {raw.shape}, expected uint8 bytes")
+            header = json.loads(raw.tobytes().decode())
+            spec, declared = _check_header(where, header)
+            expected = {"header.npy"} | {f"state.{k}.npy" for k in declared}
+            if set(infos) != expected:
+                raise ValueError(f"{where}: header lists arrays {sorted(declared)}, file holds "
+                                 f"{sorted(n.removesuffix('.npy') for n in infos)}")
+            for name, (dt, shape, _) in declared.items():
+                size = infos[f"state.{name}.npy"].file_size
+                if size > math.prod(shape) * dt.itemsize + NPY_HEADER_SLACK:
+                    raise ValueError(f"{where}: array {name!r}: member of {size} bytes for a {dt} {list(shape)} "
+                                     f"array (refused before inflating it)")
+            state = {}
+            for name, (dt, shape, digest) in declared.items():
+                with z.open(infos[f"state.{name}.npy"]) as f:
+                    a = np.lib.format.read_array(f, allow_pickle=False)
+                if dt == storage_dtype(DType.BFLOAT16):
+                    if a.dtype != np.uint16:
+                        raise ValueError(f"{where}: array {name!r}: bfloat16 bits stored as {a.dtype}")
+                    a = a.view(dt)
+                if a.dtype != dt or a.shape != shape:
+                    raise ValueError(f"{where}: array {name!r}: header says {dt} {list(shape)}, array is {a.dtype} "
+                                     f"{list(a.shape)}")
+                if _digest(a) != digest:
+                    raise ValueError(f"{where}: array {name!r}: checksum mismatch (the file was modified or damaged)")
+                state[name] = np.ascontiguousarray(a)
+    except ValueError:
+        raise
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
+        raise
+    except Exception as e:  # zipfile, zlib, npy-format, JSON, recursion and memory errors of a damaged file
+        raise ValueError(f"{where}: not a readable conv2d file (truncated or corrupt?): {type(e).__name__}: {e}") from e
     return spec, state
 
 
@@ -138,7 +238,10 @@ def load(path: str | os.PathLike, backend: str = "reference", into: Conv2d | Seq
     """Read a file written by `save`. Returns a new layer (or Sequential) on `backend`, or,
     with `into`, loads the state into it and returns it; each layer's spec must equal the
     file's but for the planned batch size and input height and width, which the
-    parameters do not depend on. Any problem raises before a layer is changed."""
+    parameters do not depend on. Any problem raises before a layer is changed: a damaged,
+    tampered or foreign file a ValueError."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected a str or os.PathLike, got {type(path).__name__}")
     path = Path(path)
     spec, state = _read(path)
     if isinstance(spec, list):
@@ -149,14 +252,21 @@ def load(path: str | os.PathLike, backend: str = "reference", into: Conv2d | Seq
                             f"{type(into).__name__}" + (f" of {len(into)}" if isinstance(into, Sequential) else ""))
         for i, (file_spec, layer) in enumerate(zip(spec, into)):
             _check_same(path, file_spec, layer.spec, f"layer {i}")
-        into.load_state_dict(state)
+        _load_state(path, into, state)
         return into
     if into is not None:
         if not isinstance(into, Conv2d):
             raise TypeError(f"into: expected a Conv2d, got {type(into).__name__}")
         _check_same(path, spec, into.spec, "layer")
-        into.load_state_dict(state)
+        _load_state(path, into, state)
         return into
     layer = Conv2d(spec, backend, **backend_options)
-    layer.load_state_dict(state)
+    _load_state(path, layer, state)
     return layer
+
+
+def _load_state(path: Path, into: Conv2d | Sequential, state: dict[str, np.ndarray]) -> None:
+    try:
+        into.load_state_dict(state)
+    except (KeyError, TypeError) as e:  # the header's arrays do not fit the spec's layout
+        raise ValueError(f"load({str(path)!r}): the file's arrays do not fit its spec: {e}") from e

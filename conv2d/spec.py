@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import Any, Union
@@ -11,6 +12,10 @@ from typing import Any, Union
 from conv2d.activations import Activation
 
 IntPair = Union[int, tuple[int, int]]
+
+# No array of a layer or of one call may hold more values (2**36: 256 GiB of float32,
+# more than any one GPU or host here holds).
+MAX_ELEMENTS = 1 << 36
 
 # The fields that describe a call's input rather than the layer: the same layer runs
 # at any of them, and a layer saved at one loads at another.
@@ -131,8 +136,34 @@ class LayerSpec:
             raise ValueError(f"LayerSpec.bn_epsilon: expected a finite number > 0, got {e!r}")
         set_(self, "bn_momentum", float(m))
         set_(self, "bn_epsilon", float(e))
+        if self.dtype is not DType.FLOAT64:
+            # The norm computes in float32 for every other dtype: an epsilon that is 0 or
+            # infinite there would divide by zero on a constant channel, or by infinity.
+            e32 = struct.unpack("f", struct.pack("f", e))[0] if e < 3.5e38 else math.inf
+            if not (e32 > 0 and math.isfinite(e32)):
+                raise ValueError(f"LayerSpec.bn_epsilon: {e!r} is {e32!r} in float32, the compute type of "
+                                 f"{self.dtype.value}; expected a value > 0 and finite there (about 1.4e-45 to 3.4e38)")
+        self._check_sizes()
         if not isinstance(self.bias, bool):
             raise ValueError(f"LayerSpec.bias: expected a bool, got {self.bias!r}")
+
+    def _check_sizes(self) -> None:
+        # A spec whose arrays cannot exist fails here, naming the field, rather than in an
+        # allocation (int64 sizes, and no array of one call over MAX_ELEMENTS values).
+        kh, kw = self.kernel
+        ph, pw = self.padding
+        arrays = {"weights (out_channels*kernel*in_channels)": (self.out_channels * kh * kw * self.in_channels,
+                                                                 "out_channels"),
+                  "the padded input of one sample": ((self.in_height + 2 * ph) * (self.in_width + 2 * pw)
+                                                     * self.in_channels, "padding"),
+                  "the output of one sample": (self.out_height * self.out_width * self.out_channels, "out_channels")}
+        if self.batch_size is not None:
+            arrays["the planned batch's output"] = (self.batch_size * self.out_height * self.out_width
+                                                   * self.out_channels, "batch_size")
+        for what, (count, field) in arrays.items():
+            if count > MAX_ELEMENTS:
+                raise ValueError(f"LayerSpec.{field}: {what} would hold {count} values, more than {MAX_ELEMENTS} "
+                                 f"(2**36); got {field}={getattr(self, field)!r}")
 
     # Derived sizes -------------------------------------------------------------------------
     @property

@@ -53,16 +53,22 @@ def check_arrays(what: str, arrays: Any, layout: Mapping[str, tuple[tuple[int, .
     """Validate a whole dict against `layout` (keys, shapes, dtypes, finiteness) before any use."""
     if not isinstance(arrays, Mapping):
         raise TypeError(f"{what}: expected a dict of arrays, got {describe(arrays)}")
+    # Keys of any type (1, (2,)) are named by repr: they cannot be sorted together.
     missing = sorted(set(layout) - set(arrays))
-    unexpected = sorted(set(arrays) - set(layout))
+    unexpected = sorted((repr(k) if not isinstance(k, str) else k for k in set(arrays) - set(layout)), key=str)
     if missing or unexpected:
         raise KeyError(f"{what}: expected keys {sorted(layout)}, missing {missing}, unexpected {unexpected}")
     out = {}
     for name, (shape, dtype) in layout.items():
         a = arrays[name]
-        if not isinstance(a, np.ndarray):
-            raise TypeError(f"{what}[{name!r}]: expected a numpy.ndarray, got {describe(a)}")
+        if not isinstance(a, np.ndarray) or isinstance(a, np.ma.MaskedArray):
+            raise TypeError(f"{what}[{name!r}]: expected a numpy.ndarray, got {describe(a)}"
+                            + (" (a masked array: its mask would be ignored)" if isinstance(a, np.ma.MaskedArray)
+                               else ""))
         check_shape_dtype(f"{what}[{name!r}]", a, shape, dtype)
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{what}[{name!r}]: expected a C-contiguous array, got strides {a.strides} "
+                             f"(use numpy.ascontiguousarray)")
         if finite:
             check_finite(f"{what}[{name!r}]", a)
         out[name] = a

@@ -112,6 +112,21 @@ def test_a_tampered_spec_is_reported(tmp_path):
         header["spec"]["kernel"] = [0, 0]
         a["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
     _rewrite(path, change)
+    with pytest.raises(ValueError, match="header checksum mismatch"):
+        conv2d.load(path)
+
+
+def test_an_invalid_spec_under_a_valid_header_checksum_is_reported(tmp_path):
+    from conv2d.io import _header_digest
+
+    _, path = saved(tmp_path)
+
+    def change(a):
+        header = json.loads(a["header"].tobytes())
+        header["spec"]["kernel"] = [0, 0]
+        header["header_sha256"] = _header_digest(header)
+        a["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    _rewrite(path, change)
     with pytest.raises(ValueError, match="invalid spec in header: LayerSpec.kernel"):
         conv2d.load(path)
 
@@ -126,7 +141,7 @@ def test_a_missing_array_is_reported(tmp_path):
 def test_a_file_of_another_kind_is_rejected(tmp_path):
     path = tmp_path / "other.npz"
     np.savez(path, a=np.zeros(3))
-    with pytest.raises(ValueError, match="missing or unreadable header"):
+    with pytest.raises(ValueError, match=r"not a conv2d file \(no header"):
         conv2d.load(path)
     path.write_text("hello")
     with pytest.raises(ValueError, match="not a readable conv2d file"):
@@ -144,7 +159,7 @@ def test_the_file_is_a_plain_npz_with_a_json_header(tmp_path):
         assert sorted(z.namelist()) == sorted(["header.npy"] + [f"state.{k}.npy" for k in layer.state_dict()])
     with np.load(path) as f:
         header = json.loads(f["header"].tobytes())
-    assert header["format"] == "conv2d" and header["version"] == 1
+    assert header["format"] == "conv2d" and header["version"] == 2
     assert LayerSpec.from_dict(header["spec"]) == SPEC
 
 

@@ -1,0 +1,297 @@
+"""The defects found by attacking the library as the trusted numerical libraries are
+tested: the loader (header edits, damaged archives, zip bombs, odd paths, fuzzing), the
+saver (modes, links, non-finite state), validation that masked or strided arrays cannot
+bypass, spec fields checked in the compute dtype and against sizes no call can hold,
+clear errors, and a layer shared between threads."""
+
+import dataclasses
+import json
+import os
+import stat
+import threading
+import zipfile
+
+import numpy as np
+import pytest
+
+import conv2d
+from conftest import make_layer, random_inputs
+from conv2d import Conv2d, LayerSpec
+from conv2d.io import _header_digest
+
+SPEC = LayerSpec(batch_size=2, in_height=6, in_width=5, in_channels=3, out_channels=4, kernel=3, padding=1,
+                 activation="gelu", normalization="batch_norm", dtype="float32")
+
+
+def saved(tmp_path, spec=SPEC, name="layer.npz"):
+    layer = make_layer(spec)
+    path = tmp_path / name
+    conv2d.save(layer, path)
+    return layer, path
+
+
+def rewrite(path, change):
+    with np.load(path) as f:
+        arrays = {k: f[k].copy() for k in f.files}
+    change(arrays)
+    with open(path, "wb") as out:
+        np.savez(out, **arrays)
+
+
+# 1. The header has a checksum ------------------------------------------------------------------
+@pytest.mark.parametrize("field, value", [("activation", "relu"), ("stride", [2, 2]), ("padding", [0, 0]),
+                                          ("bn_momentum", 0.5), ("bn_epsilon", 1e-3), ("batch_size", 7),
+                                          ("in_height", 9), ("in_width", 8)])
+def test_an_edited_spec_field_in_the_header_is_refused(tmp_path, field, value):
+    _, path = saved(tmp_path)
+
+    def edit(a):
+        header = json.loads(a["header"].tobytes())
+        header["spec"][field] = value
+        a["header"] = np.frombuffer(json.dumps(header, sort_keys=True).encode(), np.uint8)
+    rewrite(path, edit)
+    with pytest.raises(ValueError, match="header checksum mismatch"):
+        conv2d.load(path)
+
+
+def test_a_version_1_file_without_a_header_checksum_still_loads(tmp_path):
+    layer, path = saved(tmp_path)
+
+    def downgrade(a):
+        header = json.loads(a["header"].tobytes())
+        del header["header_sha256"]
+        header["version"] = 1
+        a["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    rewrite(path, downgrade)
+    np.testing.assert_array_equal(conv2d.load(path).state_dict()["weights"], layer.state_dict()["weights"])
+
+
+# 2. Masked and strided arrays cannot bypass validation -----------------------------------------
+def test_masked_arrays_are_refused_in_state_inputs_and_gradients():
+    layer = make_layer(SPEC)
+    state = layer.state_dict()
+    bad = dict(state, running_var=np.ma.masked_array(np.full(4, -5.0, np.float32), mask=True))
+    with pytest.raises(TypeError, match=r"state\['running_var'\].*masked array"):
+        layer.load_state_dict(bad)
+    x, dy = random_inputs(SPEC)
+    with pytest.raises(TypeError, match="^x: .*masked array"):
+        layer.forward(np.ma.masked_array(x, mask=np.isnan(x)))
+    layer.forward(x)
+    with pytest.raises(TypeError, match="^d_y: .*masked array"):
+        layer.backward(x, np.ma.masked_array(dy))
+    grads = dict(layer.grad_dict(), gamma=np.ma.masked_array(np.zeros(4, np.float32)))
+    with pytest.raises(TypeError, match=r"grads\['gamma'\].*masked array"):
+        layer.load_grad_dict(grads)
+
+
+@pytest.mark.parametrize("layout", ["fortran", "negative_stride", "broadcast", "strided"])
+def test_state_arrays_must_be_c_contiguous(layout):
+    layer = make_layer(SPEC)
+    state = layer.state_dict()
+    w = state["weights"]
+    state["weights"] = {"fortran": np.asfortranarray(w), "negative_stride": w[::-1].copy()[::-1],
+                        "broadcast": np.broadcast_to(w[:1], w.shape),
+                        "strided": np.repeat(w, 2, axis=3)[..., ::2]}[layout]
+    with pytest.raises(ValueError, match=r"state\['weights'\]: expected a C-contiguous array"):
+        layer.load_state_dict(state)
+
+
+# 3, 4. load raises ValueError for any damage, and refuses a zip bomb before inflating it ------
+def test_a_plain_npy_file_and_odd_paths_raise_clear_errors(tmp_path):
+    npy = tmp_path / "a.npy"
+    np.save(npy, np.zeros(3))
+    with pytest.raises(ValueError, match="not a readable conv2d file"):
+        conv2d.load(npy)
+    for bad in (None, 3, b"layer.npz"):
+        with pytest.raises(TypeError, match="^path: expected a str or os.PathLike"):
+            conv2d.load(bad)
+    with pytest.raises(ValueError, match="not a regular file"):
+        conv2d.load(tmp_path)
+
+
+def test_a_fifo_as_the_path_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        conv2d.load(fifo)
+
+
+def test_deeply_nested_header_json_and_wrong_types_are_value_errors(tmp_path):
+    _, path = saved(tmp_path)
+    rewrite(path, lambda a: a.__setitem__("header", np.frombuffer(("[" * 100000 + "]" * 100000).encode(),
+                                                                     np.uint8)))
+    with pytest.raises(ValueError):
+        conv2d.load(path)
+    for arrays in ("not a dict", [1, 2], {"weights": "x"}):
+        _, path = saved(tmp_path, name="b.npz")
+
+        def edit(a, arrays=arrays):
+            header = json.loads(a["header"].tobytes())
+            header["arrays"] = arrays
+            header["header_sha256"] = _header_digest(header)
+            a["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+        rewrite(path, edit)
+        with pytest.raises(ValueError):
+            conv2d.load(path)
+
+
+def test_a_declared_shape_of_terabytes_is_refused_before_allocating(tmp_path):
+    _, path = saved(tmp_path)
+
+    def edit(a):
+        header = json.loads(a["header"].tobytes())
+        header["arrays"]["weights"]["shape"] = [1 << 20, 1 << 20, 1, 1]
+        header["header_sha256"] = _header_digest(header)
+        a["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    rewrite(path, edit)
+    with pytest.raises(ValueError, match="more than"):
+        conv2d.load(path)
+
+
+def test_a_zip_bomb_member_is_refused_before_it_is_inflated(tmp_path):
+    _, path = saved(tmp_path)
+    bomb = tmp_path / "bomb.npz"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename == "state.bias.npy":
+                data = data + b"\0" * (64 << 20)  # 64 MiB of zeros: a few KiB deflated
+            dst.writestr(info.filename, data)
+    assert bomb.stat().st_size < 1 << 20
+    with pytest.raises(ValueError, match="refused before inflating"):
+        conv2d.load(bomb)
+
+
+def test_fuzzed_files_load_identically_or_raise_value_error(tmp_path):
+    layer, path = saved(tmp_path)
+    data = path.read_bytes()
+    want = layer.state_dict()
+    rng = np.random.default_rng(0)
+    target = tmp_path / "fuzz.npz"
+    outcomes = {"identical": 0, "refused": 0}
+    for i in range(1500):
+        b = bytearray(data)
+        kind = i % 3
+        if kind == 0:  # truncation
+            b = b[:int(rng.integers(0, len(b)))]
+        elif kind == 1:  # bit flips anywhere: local headers, data, the central directory
+            for _ in range(int(rng.integers(1, 4))):
+                p = int(rng.integers(0, len(b)))
+                b[p] ^= 1 << int(rng.integers(0, 8))
+        else:  # a byte of the header JSON replaced
+            start = data.find(b'{"arrays"')
+            p = start + int(rng.integers(0, 400))
+            b[p] = int(rng.integers(32, 127))
+        target.write_bytes(bytes(b))
+        try:
+            got = conv2d.load(target).state_dict()
+        except ValueError:
+            outcomes["refused"] += 1
+            continue
+        for k, v in want.items():
+            np.testing.assert_array_equal(got[k], v, err_msg=f"mutation {i}: {k}")
+        outcomes["identical"] += 1
+    assert outcomes["refused"] > 1000, outcomes
+
+
+# 5. save writes only what load reads --------------------------------------------------------
+def test_save_refuses_non_finite_running_statistics_as_load_would(tmp_path):
+    layer = make_layer(SPEC)
+    x, _ = random_inputs(SPEC)
+    x[0, 0, 0, 0] = np.nan  # one NaN sample in a training batch
+    layer.forward(x, training=True)
+    assert np.isnan(layer.state_dict()["running_mean"]).any()
+    with pytest.raises(ValueError, match=r"save: state\['running_mean'\]: expected finite values"):
+        conv2d.save(layer, tmp_path / "nan.npz")
+    assert not (tmp_path / "nan.npz").exists()
+    with pytest.raises(ValueError, match="expected finite values"):
+        layer.load_state_dict(layer.state_dict())
+    with pytest.raises(ValueError, match="expected finite values"):
+        layer.to("reference")
+
+
+# 6. save follows open's rules ---------------------------------------------------------------
+def test_save_keeps_an_existing_files_mode_and_follows_the_umask_for_a_new_one(tmp_path):
+    layer, path = saved(tmp_path)
+    os.chmod(path, 0o644)
+    conv2d.save(layer, path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    old = os.umask(0o027)
+    try:
+        conv2d.save(layer, tmp_path / "new.npz")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new.npz").stat().st_mode) == 0o640
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_save_through_a_symlink_writes_the_file_it_names(tmp_path):
+    layer, path = saved(tmp_path)
+    link = tmp_path / "link.npz"
+    link.symlink_to(path)
+    other = make_layer(SPEC, seed=5)
+    conv2d.save(other, link)
+    assert link.is_symlink()
+    np.testing.assert_array_equal(conv2d.load(path).state_dict()["weights"], other.state_dict()["weights"])
+
+
+# 7, 8. Spec fields checked where they are used ----------------------------------------------
+@pytest.mark.parametrize("epsilon", [1e-46, 1e300])
+def test_bn_epsilon_is_checked_in_the_compute_dtype(epsilon):
+    with pytest.raises(ValueError, match="LayerSpec.bn_epsilon: .* in float32, the compute type of float32"):
+        dataclasses.replace(SPEC, bn_epsilon=epsilon)
+    assert dataclasses.replace(SPEC, bn_epsilon=1e-46, dtype="float64").bn_epsilon == 1e-46
+
+
+@pytest.mark.parametrize("changes, field", [(dict(out_channels=10**30), "out_channels"),
+                                            (dict(padding=200000, in_height=1, in_width=1, kernel=1), "padding"),
+                                            (dict(batch_size=10**9, in_height=512, in_width=512), "batch_size")])
+def test_a_spec_no_call_could_hold_names_its_field(changes, field):
+    with pytest.raises(ValueError, match=rf"^LayerSpec\.{field}: .* would hold \d+ values, more than"):
+        dataclasses.replace(SPEC, **changes)
+
+
+# 9. A layer shared between threads -----------------------------------------------------------
+def test_a_layer_shared_between_threads_runs_each_call_whole():
+    layer = make_layer(SPEC)
+    states = [make_layer(SPEC, seed=s).state_dict() for s in (1, 2)]
+    x, _ = random_inputs(SPEC)
+    wants = []
+    for state in states:
+        layer.load_state_dict(state)
+        wants.append(layer.evaluate(x))
+    outputs, stop = [], threading.Event()
+
+    def loader():
+        i = 0
+        while not stop.is_set():
+            layer.load_state_dict(states[i % 2])
+            i += 1
+
+    def evaluator():
+        for _ in range(300):
+            outputs.append(layer.evaluate(x))
+
+    threads = [threading.Thread(target=loader), threading.Thread(target=evaluator)]
+    for t in threads:
+        t.start()
+    threads[1].join()
+    stop.set()
+    threads[0].join()
+    mixed = [y for y in outputs if not any(np.array_equal(y, w) for w in wants)]
+    assert not mixed, f"{len(mixed)} of {len(outputs)} outputs mix two states"
+
+
+# 10. Clear errors -----------------------------------------------------------------------------
+def test_an_unhashable_backend_name_gets_a_clear_error():
+    with pytest.raises(ValueError, match=r"backend: expected one of \['cuda', 'reference'\], got \['x'\]"):
+        Conv2d(SPEC, backend=["x"])
+
+
+def test_state_keys_of_mixed_types_are_named_not_sorted():
+    layer = make_layer(SPEC)
+    state = dict(layer.state_dict())
+    state[1] = np.zeros(1)
+    state[(2,)] = np.zeros(1)
+    with pytest.raises(KeyError, match=r"unexpected \['\(2,\)', '1'\]"):
+        layer.load_state_dict(state)
