@@ -1,4 +1,4 @@
-"""The command line: `conv2d demo` (also `python -m conv2d demo`)."""
+"""The command line: `conv2d demo` and `conv2d check` (also `python -m conv2d ...`)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="fit: the layer's norm")
     d.add_argument("--plot", metavar="PNG", help="write the training curves to this PNG file")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
+    c = sub.add_parser("check", help="run the shipped golden outputs on every backend here (exit 1 on failure)")
+    c.add_argument("--backends", default="reference,cuda", help="comma list (default: reference,cuda; cuda is "
+                   "skipped with the reason where it cannot run)")
     args = parser.parse_args(argv)
+    if args.command == "check":
+        from conv2d import check
+        return check.run(args)
     for k, v in DEFAULTS[args.task].items():
         if getattr(args, k) is None:
             setattr(args, k, v)

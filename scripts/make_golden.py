@@ -1,10 +1,10 @@
-"""Make tests/golden/*.npz with PyTorch in float64 as the oracle (conv2d.testing.torch_oracle).
+"""Make conv2d/golden/*.npz with PyTorch in float64 as the oracle (conv2d.testing.torch_oracle).
 
 Each file holds one spec (as JSON in `spec`), its inputs `x`, `d_y`, the parameters
 `state.<name>`, and for each mode in (train, eval) the oracle's `<mode>.y`,
 `<mode>.pre_activations`, `<mode>.d_pre_activations`, `<mode>.d_x`,
 `<mode>.grad.<name>` and, with batch norm, `<mode>.running_mean` / `<mode>.running_var`
-after the forward. Run: python scripts/make_golden.py [--out tests/golden]
+after the forward. Run: python scripts/make_golden.py [--out conv2d/golden]
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def make(name: str, fields: dict, scale: float, seed: int) -> dict[str, np.ndarr
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "tests" / "golden")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "conv2d" / "golden")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for seed, (name, (fields, scale)) in enumerate(sorted(GOLDEN.items())):

@@ -26,9 +26,10 @@ if not HAVE_GPU:
     # Without a GPU the numba kernels run in numba's CUDA simulator.
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
+import conv2d
 from conv2d import Conv2d, LayerSpec
 
-GOLDEN_DIR = Path(__file__).parent / "golden"
+GOLDEN_DIR = Path(conv2d.__file__).parent / "golden"  # shipped in the package: `conv2d check` runs them
 
 
 def make_layer(spec: LayerSpec, seed: int = 0, backend: str = "reference", **options) -> Conv2d:

@@ -599,3 +599,11 @@ def test_torch_compile_of_the_module_on_the_gpu_matches_eager():
     ours, _, _ = _module_pair(torch, "layer_norm", "float32")
     x = torch.randn(2, 5, 8, 8, device="cuda").to(memory_format=torch.channels_last)
     torch.testing.assert_close(torch.compile(ours)(x), ours(x), rtol=0, atol=0)
+
+
+def test_conv2d_check_passes_on_both_backends_with_bitwise_repeats_on_the_gpu(capsys):
+    from conv2d.cli import main
+
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert "| cuda |" in out and "| NO |" not in out and "bitwise repeats on the GPU" in out.splitlines()[-1]
