@@ -295,3 +295,60 @@ def test_state_keys_of_mixed_types_are_named_not_sorted():
     state[(2,)] = np.zeros(1)
     with pytest.raises(KeyError, match=r"unexpected \['\(2,\)', '1'\]"):
         layer.load_state_dict(state)
+
+
+# 11. The tolerance model of a norm over few or equal values ---------------------------------
+def _against_float64(spec, x, dy, state):
+    from conv2d.dtypes import storage_dtype
+
+    st = storage_dtype(spec.dtype)
+    ours = Conv2d(spec)
+    ours.load_state_dict({k: v.astype(ours.state_dict()[k].dtype) for k, v in state.items()})
+    ref = Conv2d(dataclasses.replace(spec, dtype="float64"))
+    ref.load_state_dict(state)
+    y = ours.forward(x.astype(st))
+    d_x = ours.backward_full(x.astype(st), dy.astype(st))
+    x64 = x.astype(st).astype(np.float64)
+    dy64 = dy.astype(st).astype(np.float64)
+    return (y, ref.forward(x64)), (d_x, ref.backward_full(x64, dy64)), (x64, dy64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_norm_over_two_values_is_within_the_conditioned_tolerance(dtype):
+    from conv2d.testing import conditioning_scales, reduction_lengths, relative_error
+    from conv2d.dtypes import tolerance
+
+    spec = LayerSpec(batch_size=2, in_height=1, in_width=1, in_channels=3, out_channels=4, kernel=1,
+                     activation="tanh", normalization="batch_norm", dtype=dtype)
+    tol = tolerance(spec.dtype, reduction_lengths(spec)["d_x"])
+    plain = []
+    for seed in range(10):
+        state = {k: v.astype(np.float64) for k, v in make_layer(dataclasses.replace(spec, dtype="float64"),
+                                                                seed).state_dict().items()}
+        rng = np.random.default_rng(seed)
+        x, dy = rng.standard_normal((2, 1, 1, 3)), rng.standard_normal((2, 1, 1, 4))
+        _, (d_x, want), (x64, dy64) = _against_float64(spec, x, dy, state)
+        scale = conditioning_scales(spec, state, x64, dy64, True)["d_x"]
+        assert relative_error(d_x, want, scale) <= tol
+        plain.append(relative_error(d_x, want))
+    # Measured against max|d_x| alone (d_z cancels to eps-small with two values) it fails:
+    assert max(plain) > tol
+
+
+def test_a_constant_channel_is_within_the_conditioned_tolerance():
+    from conv2d.testing import conditioning_scales, reduction_lengths, relative_error
+    from conv2d.dtypes import tolerance
+
+    spec = LayerSpec(batch_size=3, in_height=4, in_width=4, in_channels=2, out_channels=3, kernel=3, padding=1,
+                     activation="identity", normalization="batch_norm", dtype="float32")
+    state = {k: v.astype(np.float64) for k, v in make_layer(dataclasses.replace(spec, dtype="float64")).state_dict()
+             .items()}
+    state["weights"][1] = 0.0  # channel 1 is its bias everywhere: variance 0, inv_std = 1/sqrt(eps)
+    state["bias"][1] = 0.7
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal((3, 4, 4, 2)), rng.standard_normal((3, 4, 4, 3))
+    (y, want), _, (x64, dy64) = _against_float64(spec, x, dy, state)
+    scale = conditioning_scales(spec, state, x64, dy64, True)["y"]
+    tol = tolerance(spec.dtype, reduction_lengths(spec)["y"])
+    assert relative_error(y, want, scale) <= tol
+    assert relative_error(y, want) > tol  # against max|y| alone the centred rounding noise fails it

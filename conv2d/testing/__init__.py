@@ -46,6 +46,58 @@ def cancellation_scales(spec: LayerSpec, training: bool, x: np.ndarray,
             "weights": float(conv_backward_filter(x_abs, d_abs, spec.kernel, spec.stride, spec.padding).max())}
 
 
+def conditioning_scales(spec: LayerSpec, state: dict[str, np.ndarray], x: np.ndarray, d_y: np.ndarray,
+                        training: bool) -> dict[str, float]:
+    """Denominators for the results of a norm over few or nearly equal values, else nothing.
+
+    A norm centres z on its mean and scales by inv_std: rounding z - mean errs by about
+    u * |z|, which the scaling multiplies by inv_std. Where the values are many and spread,
+    inv_std * |z| is a few and this is within max|y|; where they are few or nearly equal
+    (a constant channel: inv_std = 1/sqrt(eps)), it is not, however exact the arithmetic:
+    so y is measured against max over groups of |gamma| * inv_std * max|z|. With batch
+    statistics, d_z = inv_std * (g - mean(g) - x_hat * mean(g * x_hat)) (g = d_a * gamma)
+    cancels by construction (with two values a group, x_hat = +-1 and d_z is eps-small):
+    its error scales with its terms, S = inv_std * (|g| + mean|g| + |x_hat| * mean|g *
+    x_hat|), and d_x is measured against backward_data(|W|, S). Computed in float64 from
+    the spec, the float64 `state`, `x` and `d_y` (the oracle's own inputs)."""
+    from dataclasses import replace
+
+    from conv2d import activations
+    from conv2d.reference import functional as F
+    from conv2d.reference.conv import conv_backward_data
+    from conv2d.state import RUNNING
+
+    if spec.normalization.value == "none":
+        return {}
+    spec64 = replace(spec, dtype="float64")
+    params = {k: np.asarray(v, np.float64) for k, v in state.items() if k not in RUNNING}
+    running = {k: np.array(state[k], np.float64) for k in RUNNING if k in state} or None
+    x64, dy64 = np.asarray(x, np.float64), np.asarray(d_y, np.float64)
+    _, saved = F.forward(spec64.at(x64.shape[0], x64.shape[1], x64.shape[2]), params, x64, training, running)
+    axes = F._axes(spec64)
+    from conv2d.reference import norm
+
+    z = saved.pre
+    gamma, inv_std = params["gamma"], saved.inv_std
+    scale_z = np.abs(z).max(axis=axes)  # per group, as inv_std
+    if spec.normalization.value == "batch_norm":
+        y_scale = float((np.abs(gamma) * inv_std * scale_z).max())
+    else:
+        y_scale = float((np.abs(gamma).max() * inv_std * scale_z).max())
+    out = {"y": y_scale}
+    if saved.batch_stats:
+        x_hat = norm.normalize(z, saved.mean, inv_std, axes)
+        a = norm.affine(x_hat, gamma, params["beta"])
+        g = np.abs(activations.derivative(spec.activation, a) * dy64 * gamma)
+        terms = g + g.mean(axis=axes, keepdims=True) + np.abs(x_hat) * (g * np.abs(x_hat)).mean(axis=axes,
+                                                                                               keepdims=True)
+        terms *= norm.expand(inv_std, axes)
+        w = np.abs(params["weights"])
+        c = saved.spec
+        out["d_x"] = float(conv_backward_data(w, terms, (c.in_height, c.in_width), c.stride, c.padding).max())
+    return out
+
+
 def relative_error(got: np.ndarray, want: np.ndarray, scale: float = 0.0) -> float:
     """max|got - want| / max(max|want|, scale), in float64.
 

@@ -16,7 +16,7 @@ from conv2d.layer import Conv2d
 from conv2d.spec import DType, LayerSpec
 from conv2d.state import state_layout
 from conv2d.dtypes import tolerance
-from conv2d.testing import cancellation_scales, reduction_lengths, relative_error
+from conv2d.testing import cancellation_scales, conditioning_scales, reduction_lengths, relative_error
 
 MODES = ("train", "eval")
 
@@ -72,11 +72,13 @@ def case_errors(case: GoldenCase, got: dict[str, np.ndarray], dtype: DType | str
     jumps = case.spec.activation in JUMPING_DERIVATIVE
     scales = cancellation_scales(case.spec, mode == "train", case.arrays["x"],
                                  case.arrays[f"{mode}.d_pre_activations"])
+    state = {k[len("state."):]: v for k, v in case.arrays.items() if k.startswith("state.")}
+    conditioning = conditioning_scales(case.spec, state, case.arrays["x"], case.arrays["d_y"], mode == "train")
     out = []
     for key, value in got.items():
         want = case.arrays[f"{mode}.{key}"]
         name = key.removeprefix("grad.")
-        scale = scales.get(name, 0.0) if key.startswith("grad.") else 0.0
+        scale = scales.get(name, 0.0) if key.startswith("grad.") else conditioning.get(key, 0.0)
         is_grad = key.startswith("grad.") or key == "d_x"
         out.append((key, relative_error(value, want, scale),
                     tolerance(DType(dtype), lengths[name], jumps and is_grad)))
