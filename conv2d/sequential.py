@@ -123,24 +123,23 @@ class Sequential:
             parts[int(index)][name] = value
         return parts
 
-    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        """Every layer's state, all checked before any layer changes."""
-        from conv2d.state import check_arrays, state_layout
+    def _load(self, what: str, arrays: dict[str, np.ndarray], grads: bool) -> None:
+        from conv2d.state import check_arrays, grad_layout, state_layout
 
-        parts = self._split("state", state)
+        parts = self._split(what, arrays)
+        layout = grad_layout if grads else state_layout
         for i, (layer, part) in enumerate(zip(self.layers, parts)):
-            check_arrays(f"state[layer {i}]", part, state_layout(layer.spec), finite=True)
+            check_arrays(f"{what}[layer {i}]", part, layout(layer.spec), finite=not grads)
         for layer, part in zip(self.layers, parts):
-            layer.load_state_dict(part)
+            (layer.load_grad_dict if grads else layer.load_state_dict)(part)
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Every layer's state, all checked (as Conv2d.load_state_dict checks) before any changes."""
+        self._load("state", state, grads=False)
 
     def load_grad_dict(self, grads: dict[str, np.ndarray]) -> None:
-        from conv2d.state import check_arrays, grad_layout
-
-        parts = self._split("grads", grads)
-        for i, (layer, part) in enumerate(zip(self.layers, parts)):
-            check_arrays(f"grads[layer {i}]", part, grad_layout(layer.spec), finite=False)
-        for layer, part in zip(self.layers, parts):
-            layer.load_grad_dict(part)
+        """Every layer's accumulated gradients, all checked before any changes."""
+        self._load("grads", grads, grads=True)
 
     def to(self, backend: str, **options: Any) -> "Sequential":
         """A copy of the stack, state and gradients, on `backend`."""

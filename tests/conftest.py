@@ -59,3 +59,28 @@ def random_inputs(spec: LayerSpec, seed: int = 1) -> tuple[np.ndarray, np.ndarra
 def small_spec() -> LayerSpec:
     return LayerSpec(batch_size=2, in_height=6, in_width=5, in_channels=3, out_channels=4, kernel=3,
                      padding=1, activation="tanh", normalization="batch_norm", dtype="float64")
+
+
+def rewrite_npz(path, change):
+    """Rewrite the .npz at `path` with `change(arrays)` applied to its dict of arrays."""
+    with np.load(path) as f:
+        arrays = {k: f[k].copy() for k in f.files}
+    change(arrays)
+    with open(path, "wb") as out:
+        np.savez(out, **arrays)
+
+
+def edit_header(path, change, keep_checksum=False):
+    """Apply `change(header)` to the JSON header of a saved file; with `keep_checksum` the
+    header's checksum is computed again, as a deliberate edit would."""
+    import json
+
+    from conv2d.io import _header_digest
+
+    def edit(arrays):
+        header = json.loads(arrays["header"].tobytes())
+        change(header)
+        if keep_checksum:
+            header["header_sha256"] = _header_digest(header)
+        arrays["header"] = np.frombuffer(json.dumps(header, sort_keys=True).encode(), np.uint8)
+    rewrite_npz(path, edit)

@@ -49,7 +49,6 @@ def assert_grads_and_state_match(ours, ref, bias_atol=1e-5):
 @pytest.mark.parametrize("name, dtype, mode", CASES, ids=["-".join(c) for c in CASES])
 def test_cuda_kernels_match_the_golden_files(name, dtype, mode):
     case = load_case(FILES[name])
-    spec = case.spec_as(dtype)
     got = run_case(case, dtype, mode, backend="cuda", convolutions=HostConvolutions)
     check_case(case, got, dtype, mode)
 

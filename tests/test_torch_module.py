@@ -4,7 +4,6 @@ gradcheck, dtypes and layouts, torch.compile, DistributedDataParallel over gloo.
 
 import os
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (the test extra brings it)")
