@@ -385,3 +385,35 @@ def test_the_unbiased_rule_refuses_one_value_per_channel_as_pytorch_does(backend
     for k, v in layer.state_dict().items():
         np.testing.assert_array_equal(v, before[k], err_msg=k)
     layer.forward(x, training=False)  # eval does not touch the running statistics
+
+
+# Saved values the caller keeps (what a torch custom op returns) ------------------------------
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_backward_from_saved_values_the_caller_kept_equals_the_usual_one(backend, norm):
+    spec = spec_for(norm, backend)
+    layer = layer_on(backend, spec)
+    fn = layer.functions
+    params = layer.parameters()
+    x, dy = inputs_at(spec, 3)
+    st = storage_dtype(spec.dtype)
+    if backend == "cuda":
+        from conv2d.cuda.runtime import numba_cuda
+
+        cuda = numba_cuda()
+        x, dy = cuda.to_device(x), cuda.to_device(dy)
+        groups = {"batch_norm": spec.out_channels, "layer_norm": 3}.get(norm, 1)
+        kept = {"pre": cuda.device_array(spec.at(3).output_shape, st),
+                "mean": cuda.device_array(groups, np.float32), "inv_std": cuda.device_array(groups, np.float32)}
+        y, _ = fn.forward(params, x, True, saved_out=kept)
+    else:
+        y, saved = fn.forward(params, x, True)
+        kept = {"pre": saved.pre, "mean": saved.mean, "inv_std": saved.inv_std}
+    rebuilt = fn.saved(x, kept["pre"], kept["mean"], kept["inv_std"], batch_stats=norm != "none")
+    grads, d_x = fn.backward(params, rebuilt, dy)
+    y2, usual = fn.forward(params, x, True)
+    grads2, d_x2 = fn.backward(params, usual, dy)
+    np.testing.assert_array_equal(as_numpy(y, st), as_numpy(y2, st))
+    np.testing.assert_array_equal(as_numpy(d_x, st), as_numpy(d_x2, st))
+    for k in grads2:
+        np.testing.assert_array_equal(as_numpy(grads[k]), as_numpy(grads2[k]), err_msg=k)

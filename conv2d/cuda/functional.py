@@ -73,12 +73,12 @@ class Saved:
                  "_buffers")
 
     def __init__(self, owner: "Functions", plan: "_Plan", x: Any, buffers: tuple, batch_stats: bool,
-                 generation: int | None) -> None:
+                 generation: int | None, recycle: bool = True) -> None:
         self.spec, self.x, self.batch_stats, self.owner = plan.spec, x, batch_stats, owner
         self.pre, self.mean, self.inv_std = buffers
         self.generation = generation
         self._plan = plan
-        self._buffers = buffers if generation is None else None
+        self._buffers = buffers if generation is None and recycle else None
 
     def __del__(self) -> None:
         if self._buffers is not None:
@@ -430,11 +430,34 @@ class Functions:
         self._rows(plan, ("apply", keep), K.WRITE_Y, z=z, out=y, mean=mean, inv_std=inv_std, **self._norm(p))
         return from_batch
 
-    def forward(self, params: Mapping[str, Any], x: Any, training: bool,
-                running: Mapping[str, Any] | None = None) -> tuple[Any, Saved]:
+    def _saved_arrays(self, plan: _Plan, pre: Any, mean: Any, inv_std: Any) -> tuple:
+        """The caller's device arrays for saved values, checked and flat: pre (N, OH, OW,
+        OC) in the storage dtype, mean and inv_std float32 per norm group (unused without
+        a norm: anything)."""
+        views = [device_view(self.cuda, "saved_out['pre']", pre, self.spec.dtype, (plan.total,), flat=True)]
+        for name, a in (("mean", mean), ("inv_std", inv_std)):
+            if self.spec.normalization is Normalization.NONE:
+                views.append(self._dummy)
+            else:
+                views.append(device_view(self.cuda, f"saved_out[{name!r}]", a, DType.FLOAT32, (plan.groups,),
+                                         flat=True))
+        return tuple(views)
+
+    def saved(self, x: Any, pre: Any, mean: Any, inv_std: Any, batch_stats: bool) -> Saved:
+        """A Saved made of the caller's arrays (a forward's `saved_out`, kept by the caller:
+        a torch custom op returns them), for `backward`."""
+        with self._lock:
+            call, x_dev, _ = self._input("x", x)
+            plan = self._plan(call)
+            return Saved(self, plan, x_dev, self._saved_arrays(plan, pre, mean, inv_std), bool(batch_stats), None,
+                         recycle=False)
+
+    def forward(self, params: Mapping[str, Any], x: Any, training: bool, running: Mapping[str, Any] | None = None,
+                saved_out: Mapping[str, Any] | None = None) -> tuple[Any, Saved]:
         """(y (N, OH, OW, OC), saved) for input x (N, H, W, C). Batch norm in training
         normalises with the batch's statistics and updates `running` in place (if given);
-        otherwise it uses `running`."""
+        otherwise it uses `running`. `saved_out`: device arrays "pre", "mean", "inv_std"
+        (see `saved`) to hold the saved values, instead of the layer's own buffers."""
         if not isinstance(training, bool):
             raise TypeError(f"training: expected a bool, got {training!r}")
         with self._lock:
@@ -444,8 +467,13 @@ class Functions:
             plan = self._plan(call)
             if r is not None and training:
                 self.spec.running_var_scale(plan.M)  # raises before any work where the rule cannot apply
+            outside = None if saved_out is None else self._saved_arrays(plan, saved_out["pre"], saved_out.get("mean"),
+                                                                        saved_out.get("inv_std"))
             stream = self._enter(lib, x)
             y_dev, y = self._output(plan, "y", call.output_shape, lib, x)
+            if outside is not None:
+                from_batch = self._run(plan, p, r, x_dev, y_dev, outside, training, keep=True)
+                return self._result(y, lib, stream), Saved(self, plan, x_dev, outside, from_batch, None, recycle=False)
             if plan.frozen is not None:
                 buffers = plan.frozen["saved"]
                 plan.generation += 1

@@ -220,6 +220,20 @@ class Functions:
         """forward(training=False)'s y, keeping nothing."""
         return forward(self.spec, params, x, False, running)[0]
 
+    def saved(self, x: Any, pre: Any, mean: Any, inv_std: Any, batch_stats: bool) -> Saved:
+        """A Saved made of the caller's arrays (a forward's saved values that the caller
+        kept: a torch custom op returns them), for `backward`; mean and inv_std are
+        ignored without a norm."""
+        call = self.check_input("x", x)
+        x_np, lib = host_array("x", x)
+        pre_np, _ = host_array("pre", pre)
+        check_shape_dtype("pre", pre_np, call.output_shape, storage_dtype(self.spec.dtype))
+        stats = (None, None)
+        if self.spec.normalization is not Normalization.NONE:
+            stats = tuple(host_array(name, a)[0].astype(compute_dtype(self.spec.dtype), copy=False)
+                          for name, a in (("mean", mean), ("inv_std", inv_std)))
+        return Saved(call, x_np, pre_np, stats[0], stats[1], bool(batch_stats), lib)
+
     def backward(self, params: Mapping[str, Any], saved: Saved, d_y: Any, want_params: bool = True,
                  want_input: bool = True, accumulate: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
         return backward(self.spec, params, saved, d_y, want_params, want_input, accumulate)

@@ -8,9 +8,9 @@ buffers, with the Sequential's names ("0.weight", "0.bias", "1.weight", "1.bias"
 as it is; the convolution weight is (OC, IC, KH, KW) in channels_last memory, which is
 this library's (OC, KH, KW, IC). Both backends' functions read them in place: CPU tensors
 run on the reference backend, CUDA tensors on the CUDA backend (on torch's current
-stream). Autograd goes through an `autograd.Function` whose backward calls the same
-backend `backward`; torch accumulates the gradients. Under `torch.compile` the op runs
-as it is between compiled graphs (a graph break: dynamo cannot trace NumPy or numba).
+stream). The layer is two custom ops (`conv2d.torch.ops`: forward, and backward through
+the same functions) with autograd between them: `torch.compile` sees one opaque op, and
+torch accumulates the gradients.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import nn
 from conv2d.activations import Activation
 from conv2d.backend import make_functions
 from conv2d.spec import DType, LayerSpec, Normalization, _pair
+from conv2d.torch import ops
 
 _DTYPES = {torch.float64: DType.FLOAT64, torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16,
            torch.bfloat16: DType.BFLOAT16}
@@ -68,38 +69,6 @@ class _NormParameters(nn.Module):
             out = fn(t)
             return out.float() if out.dtype in _SIXTEEN else out
         return super()._apply(keep_float32, recurse)
-
-
-class _Function(torch.autograd.Function):
-    """y (N, OH, OW, OC) of x (N, H, W, C) through a backend's functions; backward through
-    the same functions' backward, with fresh gradients for torch to accumulate."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                gamma: torch.Tensor | None, beta: torch.Tensor | None, fn: Any, running: dict | None,
-                training: bool) -> torch.Tensor:
-        params = {"weights": weight}
-        if bias is not None:
-            params["bias"] = bias
-        if gamma is not None:
-            params["gamma"], params["beta"] = gamma, beta
-        y, saved = fn.forward(params, x, training, running)
-        ctx.fn, ctx.saved, ctx.names = fn, saved, list(params)
-        # Saved through torch so that an in-place change of a parameter before backward
-        # raises, as for any op that saved it.
-        ctx.save_for_backward(*params.values())
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, d_y: torch.Tensor) -> tuple:
-        params = dict(zip(ctx.names, ctx.saved_tensors))
-        want_input = ctx.needs_input_grad[0]
-        want_params = any(ctx.needs_input_grad[1:5])
-        # Autograd may hand d_y in another layout; the backends read C-contiguous (NHWC).
-        grads, d_x = ctx.fn.backward(params, ctx.saved, d_y.contiguous(), want_params, want_input)
-        grads = grads or {}
-        return (d_x, grads.get("weights"), grads.get("bias"), grads.get("gamma"), grads.get("beta"), None, None,
-                None)
 
 
 class Conv2dNormActivation(nn.Module):
@@ -161,7 +130,8 @@ class Conv2dNormActivation(nn.Module):
     def _spec_for(self, dtype: DType) -> LayerSpec:
         return dataclasses.replace(self._spec, dtype=dtype)
 
-    def _functions_for(self, x: torch.Tensor) -> Any:
+    def _functions_for(self, x: torch.Tensor) -> str:
+        """The ops' key of the backend's functions for x's device and dtype (made once)."""
         backend = "cuda" if x.is_cuda else "reference"
         key = (backend, x.dtype, x.device)
         fn = self._functions.get(key)
@@ -176,7 +146,11 @@ class Conv2dNormActivation(nn.Module):
             else:
                 fn = make_functions(backend, spec)
             self._functions[key] = fn
-        return fn
+            ops.register(self._op_key(key), fn)
+        return self._op_key(key)
+
+    def _op_key(self, key: tuple) -> str:
+        return f"{id(self)}:{key[0]}:{key[1]}:{key[2]}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
@@ -185,7 +159,7 @@ class Conv2dNormActivation(nn.Module):
         if x.dtype != weight.dtype or x.device != weight.device:
             raise TypeError(f"x: expected a {weight.dtype} tensor on {weight.device} (the module's), got "
                             f"{x.dtype} on {x.device}")
-        fn = self._functions_for(x)
+        key = self._functions_for(x)
         nhwc = x.permute(0, 2, 3, 1)
         if not nhwc.is_contiguous():
             nhwc = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
@@ -200,15 +174,14 @@ class Conv2dNormActivation(nn.Module):
                 running = {"running_mean": norm.running_mean, "running_var": norm.running_var}
                 if self.training:
                     norm.num_batches_tracked.add_(1)
-        y = _apply(nhwc, w, self.conv.bias, gamma, beta, fn, running, self.training)
+        y, _, _, _, new_mean, new_var = torch.ops.conv2d.forward(
+            nhwc, w, self.conv.bias, gamma, beta, running and running["running_mean"],
+            running and running["running_var"], self.training, key)
+        if running is not None and self.training:
+            with torch.no_grad():  # the op is functional: the buffers take its new statistics
+                running["running_mean"].copy_(new_mean)
+                running["running_var"].copy_(new_var)
         return y.permute(0, 3, 1, 2)
-
-
-@torch.compiler.disable
-def _apply(*args: Any) -> torch.Tensor:
-    # torch.compile runs this op as it is, between compiled graphs (its backends are NumPy
-    # and numba/cuDNN, which dynamo cannot trace).
-    return _Function.apply(*args)
 
 
 def activation_module(name: str | Activation) -> nn.Module:
