@@ -3,7 +3,8 @@
 as a CUDA graph on both sides, plus a batch sweep of rl_small.
 
     python scripts/bench_cuda.py [--shapes a,b] [--dtypes float32,bfloat16] [--iters 20]
-                                 [--sweep 1,2,4,...] [--no-tuned] [--no-module] [--out DIR]
+                                 [--sweep 1,2,4,...] [--no-tuned] [--no-module] [--no-acting] [--no-tf32]
+                                 [--out DIR]
 
 PyTorch runs nn.Conv2d (+ nn.BatchNorm2d) + nn.ReLU in channels_last with
 cudnn.deterministic = True and TF32 off, as ours. Each side runs with cuDNN's heuristic
@@ -14,6 +15,10 @@ A third table steps each layer at a second batch size (a quarter of the planned 
 for batch 1) without a new layer: ours planned for the shape's batch, eager and captured
 at the second, beside PyTorch at the second. A fourth (unless --no-module) runs our PyTorch
 module in PyTorch's own step in place of the Sequential, eager and in torch.cuda.graph.
+Then (unless --no-acting) acting: evaluate at N = 1 and a synchronisation, eager and
+replayed, wall time a call, beside PyTorch's eval module under no_grad; and (unless
+--no-tf32) ours with allow_tf32=True beside PyTorch's float32 default (TF32,
+cudnn.benchmark = True), eager and as CUDA graphs.
 GPU time: CUDA
 events around `iters` steps on each side's stream; wall time: perf_counter around the
 same steps and a final synchronize; each the median of 5 such blocks after a warm-up,
@@ -70,12 +75,13 @@ def second_batch(n: int) -> int:
     return 8 if n == 1 else max(1, n // 4)
 
 
-def ours(spec, x_host, dy_host, iters: int, eager: bool = True, autotune: bool = False, planned=None) -> dict:
+def ours(spec, x_host, dy_host, iters: int, eager: bool = True, autotune: bool = False, planned=None,
+         allow_tf32: bool = False) -> dict:
     """Our step on x_host, dy_host; the layer is planned for `planned` (a spec; default `spec`)."""
     from conv2d import Conv2d
     from conv2d.cuda.runtime import to_device_bits
 
-    layer = Conv2d(planned or spec, "cuda", autotune=autotune)
+    layer = Conv2d(planned or spec, "cuda", autotune=autotune, allow_tf32=allow_tf32)
     layer.init_weights(np.random.default_rng(0))
     impl = layer.functions
     cuda, stream = impl.cuda, impl.stream
@@ -99,12 +105,15 @@ def ours(spec, x_host, dy_host, iters: int, eager: bool = True, autotune: bool =
 
 
 def pytorch(spec, x_host, dy_host, iters: int, eager: bool = True, benchmark: bool = False,
-            module: bool = False) -> dict:
+            module: bool = False, tf32: bool = False) -> dict:
     """PyTorch's Sequential step; with `module`, the same step of our
-    conv2d.torch.Conv2dNormActivation in its place."""
+    conv2d.torch.Conv2dNormActivation in its place; with `tf32`, PyTorch's float32 default
+    (TF32 convolutions, nondeterministic algorithms allowed)."""
     import torch
 
     torch.backends.cudnn.benchmark = benchmark
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.deterministic = not tf32
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype.value]
     if module:
         from conv2d.torch import Conv2dNormActivation
@@ -146,6 +155,74 @@ def pytorch(spec, x_host, dy_host, iters: int, eager: bool = True, benchmark: bo
     return out
 
 
+def acting_ours(spec, x_host, iters: int) -> dict:
+    """evaluate at N = 1 and a synchronisation, wall ms per call: eager and captured."""
+    from conv2d import Conv2d
+    from conv2d.cuda.runtime import to_device_bits
+
+    layer = Conv2d(spec, "cuda")
+    layer.init_weights(np.random.default_rng(0))
+    cuda, stream = layer.functions.cuda, layer.functions.stream
+    x = cuda.to_device(to_device_bits(x_host[:1]), stream=stream)
+
+    def event():
+        e = cuda.event()
+        e.record(stream)
+        return e
+
+    def act():
+        layer.evaluate(x)
+        stream.synchronize()
+    out = {"eager": timed(act, event, cuda.event_elapsed_time, stream.synchronize, iters)}
+    graph = layer.capture_evaluate(x)
+
+    def replay():
+        graph.replay()
+        stream.synchronize()
+    out["graph"] = timed(replay, event, cuda.event_elapsed_time, stream.synchronize, iters)
+    return out
+
+
+def acting_pytorch(spec, x_host, iters: int) -> dict:
+    """PyTorch's Sequential in eval under no_grad at N = 1, then torch.cuda.synchronize:
+    eager and replayed as a CUDA graph."""
+    import torch
+
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype.value]
+    layers = [torch.nn.Conv2d(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding)]
+    if spec.normalization.value == "batch_norm":
+        layers.append(torch.nn.BatchNorm2d(spec.out_channels, eps=spec.bn_epsilon, momentum=spec.bn_momentum))
+    layers.append(torch.nn.ReLU())
+    model = torch.nn.Sequential(*layers).cuda().to(dtype=dt, memory_format=torch.channels_last).eval()
+    x = torch.from_numpy(x_host[:1].astype(np.float32)).cuda().to(dt).permute(0, 3, 1, 2)
+
+    def event():
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def act():
+        with torch.no_grad():
+            model(x)
+        torch.cuda.synchronize()
+    out = {"eager": timed(act, event, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize, iters)}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3):
+            model(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        model(x)
+
+    def replay():
+        graph.replay()
+        torch.cuda.synchronize()
+    out["graph"] = timed(replay, event, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize, iters)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -155,6 +232,8 @@ def main() -> None:
                     help="batch sizes of the rl_small sweep (bfloat16, batch norm); empty for none")
     ap.add_argument("--no-tuned", action="store_true", help="skip the autotuned table")
     ap.add_argument("--no-module", action="store_true", help="skip the PyTorch-module table")
+    ap.add_argument("--no-acting", action="store_true", help="skip the acting table (evaluate at N = 1)")
+    ap.add_argument("--no-tf32", action="store_true", help="skip the TF32 table")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -232,6 +311,36 @@ def main() -> None:
     lines += second_head + second_lines
     if not args.no_module:
         lines += module_head + module_lines
+    if not args.no_acting:
+        head = ["", "## Acting: evaluate at N = 1 and a synchronisation, wall ms per call (PyTorch: eval, no_grad)",
+                "", "| shape | norm | dtype | ours eager | torch eager | ratio | ours graph | torch graph | ratio |",
+                "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += head
+        print("\n".join(head), flush=True)
+        for name, bn, spec, x, _ in cases(args.shapes, args.dtypes):
+            one = bench_spec(name, bn, spec.dtype.value, batch_size=1)
+            o, t = acting_ours(one, x, args.iters), acting_pytorch(one, x, args.iters)
+            line = (f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} | {o['eager'][1]:.4f} "
+                    f"| {t['eager'][1]:.4f} | {o['eager'][1] / t['eager'][1]:.2f} | {o['graph'][1]:.4f} "
+                    f"| {t['graph'][1]:.4f} | {o['graph'][1] / t['graph'][1]:.2f} |")
+            lines.append(line)
+            print(line, flush=True)
+    if not args.no_tf32 and "float32" in args.dtypes.split(","):
+        head = ["", "## TF32: ours allow_tf32=True beside PyTorch's float32 default (TF32, cudnn.benchmark = True), "
+                "training step", "", "| shape | norm | ours eager wall | torch eager wall | ratio | ours graph GPU "
+                "| torch graph GPU | ratio |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += head
+        print("\n".join(head), flush=True)
+        for name, bn, spec, x, dy in cases(args.shapes, "float32"):
+            o = ours(spec, x, dy, args.iters, allow_tf32=True)
+            t = pytorch(spec, x, dy, args.iters, benchmark=True, tf32=True)
+            line = (f"| {name} | {'bn' if bn else '-'} | {o['eager'][1]:.3f} | {t['eager'][1]:.3f} "
+                    f"| {o['eager'][1] / t['eager'][1]:.2f} | {o['graph'][0]:.3f} | {t['graph'][0]:.3f} "
+                    f"| {o['graph'][0] / t['graph'][0]:.2f} |")
+            lines.append(line)
+            print(line, flush=True)
+        # the strict comparison's settings again for what follows
+        torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic = False, True
     sweep = []
     if args.sweep:
         head = ["", "## Batch sweep: rl_small, bfloat16, batch norm, CUDA-graph GPU ms per step", "",
