@@ -20,12 +20,14 @@ NaN batch makes the running statistics NaN): what it writes, `load` reads.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
 import os
 import stat
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,21 @@ def _new_file_mode(path: Path) -> int:
         return 0o666 & ~umask
 
 
+STALE_SECONDS = 600  # a temporary file of a save untouched this long was left by a killed one
+
+
+def _remove_stale_temporaries(directory: Path, name: str) -> None:
+    """Remove the temporary files that killed saves of `name` left behind (`.<name>.*.tmp`,
+    unchanged for STALE_SECONDS: a save in progress elsewhere keeps writing its own)."""
+    now = time.time()
+    for tmp in directory.glob(f".{glob.escape(name)}.*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > STALE_SECONDS:
+                tmp.unlink()
+        except OSError:  # gone meanwhile, or not ours to remove
+            pass
+
+
 def save(layer: Conv2d | Sequential, path: str | os.PathLike) -> None:
     """Write a layer's (or a Sequential's) specs and state to `path` (.npz), atomically: a
     failed write leaves any existing file as it was. Written through a temporary file in
@@ -107,6 +124,7 @@ def save(layer: Conv2d | Sequential, path: str | os.PathLike) -> None:
         payload[f"state.{k}"] = v.view(np.uint16) if _dtype_name(v.dtype) == "bfloat16" else v
     mode = _new_file_mode(target)
     directory = target.parent if str(target.parent) else Path(".")
+    _remove_stale_temporaries(directory, target.name)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

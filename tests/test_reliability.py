@@ -197,6 +197,20 @@ def test_save_keeps_an_existing_files_mode_and_follows_the_umask_for_a_new_one(t
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_save_removes_the_temporary_files_of_killed_saves_but_not_fresh_ones(tmp_path):
+    layer, path = saved(tmp_path)
+    stale, fresh = tmp_path / ".layer.npz.abc123.tmp", tmp_path / ".layer.npz.def456.tmp"
+    for f in (stale, fresh):
+        f.write_bytes(b"\0" * 1024)
+    old = os.path.getmtime(stale) - 3600
+    os.utime(stale, (old, old))
+    other = tmp_path / ".other.npz.ghi789.tmp"
+    other.write_bytes(b"x")
+    os.utime(other, (old, old))
+    conv2d.save(layer, path)
+    assert not stale.exists() and fresh.exists() and other.exists()
+
+
 def test_save_through_a_symlink_writes_the_file_it_names(tmp_path):
     layer, path = saved(tmp_path)
     link = tmp_path / "link.npz"
