@@ -316,10 +316,7 @@ class Functions:
             event.wait(stream)
         if self._handle is not None:
             cudnn.set_stream(self._handle, stream_handle(stream))
-        for plan in self._plans.values():
-            for launch in plan.launches.values():
-                launch.set_stream(stream)
-        self._current = stream
+        self._current = stream  # each prepared launch follows it when next called (_call)
 
     # Outputs -------------------------------------------------------------------------------
     def _output(self, plan: _Plan, name: str, shape: tuple[int, ...], lib: str, like: Any) -> tuple[Any, Any]:
@@ -373,7 +370,14 @@ class Functions:
             plan.launches[(key, narrow)] = Launch(kernel, plan.P, K.ROW_THREADS, self._current, full)
             plan.launches[(key, narrow)]()
             return
-        plan.launches[(key, narrow)](**{k: v for k, v in args.items() if k not in _FIXED_ROW_ARGS})
+        self._call(launch, {k: v for k, v in args.items() if k not in _FIXED_ROW_ARGS})
+
+    def _call(self, launch: Launch, arrays: dict[str, Any]) -> None:
+        """A prepared launch on the current stream (it moves there after a switch; a plan
+        dropped from the cache and still used by a Saved follows too)."""
+        if launch.stream is not self._current:
+            launch.set_stream(self._current)
+        launch(**arrays)
 
     def _launch(self, plan: _Plan, key: Any, kernel: Any, grid: Any, block: Any, fixed: Mapping[str, Any],
                 **arrays: Any) -> None:
@@ -385,7 +389,7 @@ class Functions:
             launch = plan.launches[key] = Launch(kernel, grid, block, self._current, {**fixed, **arrays})
             launch()
             return
-        launch(**arrays)
+        self._call(launch, arrays)
 
     def _norm(self, p: dict) -> dict[str, Any]:
         d = self._dummy
