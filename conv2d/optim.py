@@ -17,8 +17,10 @@ eps = eps_sqrt = 1e-8), with t the step count from 1:
 and, with preset "torch" / "torch_adamw", exactly as `torch.optim.Adam` / `AdamW` do
 (weight decay on every parameter: added to the gradient, or decoupled). `SGD` computes as
 `torch.optim.SGD` (momentum, dampening, Nesterov, weight decay). 16-bit parameters keep a
-float32 master copy here (the original's master parameters); moments are float32 (float64
-for float64 layers). The arithmetic of one parameter is `conv2d/reference/optim.py`
+float32 master copy here (the original's master parameters), taken when the optimizer is
+made: load weights first, then make the optimizer (or load its `state_dict`); moments are
+float32 (float64 for float64 layers). `state_dict()`/`load_state_dict()` save and restore
+the step count and every buffer. The arithmetic of one parameter is `conv2d/reference/optim.py`
 (NumPy) or `conv2d/cuda/optim.py` (a kernel a parameter), per the layer's backend.
 """
 
@@ -102,6 +104,44 @@ class _Optimizer:
 
     def _update(self, fn: Any, name: str, value: Any, grad: Any, arrays: dict) -> None:
         raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step count and every buffer as NumPy copies, keyed "<layer>.<parameter>.<buffer>"
+        ("m", "v" for Adam, "buf" for SGD with momentum, "master" for 16-bit parameters)."""
+        arrays = {}
+        for i, (layer, per) in enumerate(zip(self.layers, self.state)):
+            shapes = {k: v.shape for k, v in layer.state_dict().items()}
+            stream = getattr(layer.functions, "current_stream", None)
+            if stream is not None:
+                stream.synchronize()  # the updates before the copies
+            for name, buffers in per.items():
+                for k, v in buffers.items():
+                    host = v.copy() if isinstance(v, np.ndarray) else v.copy_to_host()  # float32/float64 buffers
+                    arrays[f"{i}.{name}.{k}"] = host.reshape(shapes[name])
+        return {"t": self.t, "arrays": arrays}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the step count and buffers; every key, shape and dtype is checked first."""
+        if not isinstance(state, dict) or set(state) != {"t", "arrays"}:
+            raise ValueError(f"state: expected a dict with keys ['arrays', 't'], got "
+                             f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
+        t = state["t"]
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"state['t']: expected an int >= 0, got {t!r}")
+        mine = self.state_dict()["arrays"]
+        arrays = state["arrays"]
+        if not isinstance(arrays, dict) or set(arrays) != set(mine):
+            raise KeyError(f"state['arrays']: expected keys {sorted(mine)}, got "
+                           f"{sorted(map(str, arrays)) if isinstance(arrays, dict) else type(arrays).__name__}")
+        for k, want in mine.items():
+            a = arrays[k]
+            if not isinstance(a, np.ndarray) or a.shape != want.shape or a.dtype != want.dtype:
+                raise ValueError(f"state['arrays'][{k!r}]: expected a {want.dtype} array of shape {want.shape}, got "
+                                 f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+        for i, (layer, per) in enumerate(zip(self.layers, self.state)):
+            for name, buffers in per.items():
+                layer.functions.write(buffers, {k: arrays[f"{i}.{name}.{k}"] for k in buffers})
+        self.t = t
 
 
 class Adam(_Optimizer):

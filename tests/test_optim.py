@@ -150,3 +150,49 @@ def test_the_cuda_update_matches_the_reference_and_repeats_bitwise(kind, dtype):
         np.testing.assert_array_equal(runs[0][k].view(np.uint8), runs[1][k].view(np.uint8), err_msg=k)
         np.testing.assert_allclose(runs[0][k].astype(np.float64), want[k].astype(np.float64), rtol=tol, atol=tol,
                                    err_msg=k)
+
+
+@pytest.mark.parametrize("make", [lambda m: Adam(m, lr=1e-2), lambda m: SGD(m, lr=0.05, momentum=0.9)],
+                         ids=["adam", "sgd"])
+def test_an_optimizer_state_saved_and_loaded_continues_bitwise(make):
+    spec = dataclasses.replace(SPEC, dtype="bfloat16")
+    grads = gradient_sequence(spec, steps=6)
+    straight = make_layer(spec)
+    opt = make(straight)
+    run_ours(straight, opt, grads)
+    resumed = make_layer(spec)
+    first = make(resumed)
+    run_ours(resumed, first, grads[:3])
+    state, weights = first.state_dict(), resumed.state_dict()
+    again = make_layer(spec)
+    again.load_state_dict(weights)
+    second = make(again)
+    second.load_state_dict(state)
+    assert second.t == 3
+    got = run_ours(again, second, grads[3:])
+    for k, v in {k: v for k, v in straight.state_dict().items() if k not in RUNNING}.items():
+        np.testing.assert_array_equal(got[k].view(np.uint8), v.view(np.uint8), err_msg=k)
+
+
+def test_a_wrong_optimizer_state_is_refused_before_any_change():
+    layer = make_layer(SPEC)
+    opt = Adam(layer)
+    state = opt.state_dict()
+    state["arrays"]["0.weights.m"] = np.zeros(3)
+    with pytest.raises(ValueError, match=r"state\['arrays'\]\['0.weights.m'\]: expected a float64 array"):
+        opt.load_state_dict(state)
+    assert opt.t == 0
+
+
+def test_an_optimizer_state_round_trips_on_the_cuda_backend():
+    pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (the test extra brings it)")
+    spec = dataclasses.replace(SPEC, dtype="bfloat16")
+    options = {} if HAVE_GPU else {"convolutions": __import__("host_convolutions").HostConvolutions}
+    layer = make_layer(spec, backend="cuda", **options)
+    opt = Adam(layer, lr=1e-2)
+    run_ours(layer, opt, gradient_sequence(spec, steps=2))
+    state = opt.state_dict()
+    other = Adam(make_layer(spec, backend="cuda", **options), lr=1e-2)
+    other.load_state_dict(state)
+    for k, v in other.state_dict()["arrays"].items():
+        np.testing.assert_array_equal(v, state["arrays"][k], err_msg=k)
