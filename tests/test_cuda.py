@@ -569,7 +569,7 @@ def test_the_module_on_the_gpu_matches_pytorch_within_the_dtype_tolerance(norm, 
 
 def test_the_module_captured_in_a_torch_cuda_graph_replays_like_eager():
     torch = pytest.importorskip("torch", reason="torch is not installed")
-    ours, _, tdt = _module_pair(torch, "batch_norm", "float32")
+    ours, _, _ = _module_pair(torch, "batch_norm", "float32")
     eager, _, _ = _module_pair(torch, "batch_norm", "float32")
     x = torch.randn(4, 5, 12, 10, device="cuda").to(memory_format=torch.channels_last)
     side = torch.cuda.Stream()
