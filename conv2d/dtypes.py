@@ -59,7 +59,8 @@ JUMP_FACTOR = 2.0
 
 def storage_dtype(dtype: DType) -> np.dtype:
     """The NumPy dtype of activations, gradients, weights and bias."""
-    return _STORAGE[DType(dtype)]
+    found = _STORAGE.get(dtype)  # DType members and their names hit directly (a str enum): no enum call
+    return found if found is not None else _STORAGE[DType(dtype)]
 
 
 def compute_dtype(dtype: DType) -> np.dtype:

@@ -69,7 +69,7 @@ class Saved:
     Its device buffers go back to the shape's free list when it is dropped; a frozen
     layer's are fixed, and `generation` tells whether a later forward overwrote them."""
 
-    __slots__ = ("spec", "x", "pre", "mean", "inv_std", "batch_stats", "owner", "generation", "_plan",
+    __slots__ = ("spec", "x", "pre", "mean", "inv_std", "batch_stats", "owner", "generation", "slot", "_plan",
                  "_buffers")
 
     def __init__(self, owner: "Functions", plan: "_Plan", x: Any, buffers: tuple, batch_stats: bool,
@@ -77,6 +77,7 @@ class Saved:
         self.spec, self.x, self.batch_stats, self.owner = plan.spec, x, batch_stats, owner
         self.pre, self.mean, self.inv_std = buffers
         self.generation = generation
+        self.slot = plan.slot(buffers)
         self._plan = plan
         self._buffers = buffers if generation is None and recycle else None
 
@@ -112,14 +113,24 @@ class _Plan:
         self.d_w = alloc(math.prod(spec.weight_shape), fn.dev_dt)
         self.launches: dict[Any, Launch] = {}
         self.free_saved: list[tuple] = []
+        self.slots: dict[int, tuple[int, Any]] = {}
         self.eval_buffers: tuple | None = None
         self.frozen: dict[str, Any] | None = None
         self.generation = 0
         self.wrapped: dict = {}  # frozen outputs as torch tensors, made once
 
     def saved_buffers(self, fn: "Functions") -> tuple:
+        """A new set of (pre, mean, inv_std) buffers, numbered: prepared launches are kept
+        per set, so that a launch always sees the same buffers and sets no pointer."""
         alloc, f32 = fn.cuda.device_array, np.float32
-        return alloc(self.total, fn.dev_dt), alloc(self.groups, f32), alloc(self.groups, f32)
+        buffers = alloc(self.total, fn.dev_dt), alloc(self.groups, f32), alloc(self.groups, f32)
+        self.slots[id(buffers[0])] = (len(self.slots), buffers[0])  # the array pins its id
+        return buffers
+
+    def slot(self, buffers: tuple) -> Any:
+        """The number of a set of saved buffers ("caller" for the caller's own arrays)."""
+        found = self.slots.get(id(buffers[0]))
+        return found[0] if found is not None and found[1] is buffers[0] else "caller"
 
 
 class Functions:
@@ -397,7 +408,7 @@ class Functions:
 
     # Forward -------------------------------------------------------------------------------
     def _statistics(self, plan: _Plan, p: dict, r: dict | None, z: Any, stats: tuple, training: bool,
-                    keep: bool) -> bool:
+                    keep: Any) -> bool:
         """Fill stats = (mean, inv_std) from z; returns whether they came from the batch."""
         s, norm, d = self.spec, self.spec.normalization, self._dummy
         mean, inv_std = stats
@@ -427,7 +438,9 @@ class Functions:
         return True
 
     def _run(self, plan: _Plan, p: dict, r: dict | None, x: Any, y: Any, buffers: tuple, training: bool,
-             keep: bool) -> bool:
+             keep: Any) -> bool:
+        # `keep` names the launches: False for evaluate's scratch, ("keep", slot) for a
+        # forward's saved buffers (each set its own launches).
         z, mean, inv_std = buffers
         plan.conv.forward(x, p["weights"], p.get("bias"), z)
         from_batch = self._statistics(plan, p, r, z, (mean, inv_std), training, keep)
@@ -476,7 +489,7 @@ class Functions:
             stream = self._enter(lib, x)
             y_dev, y = self._output(plan, "y", call.output_shape, lib, x)
             if outside is not None:
-                from_batch = self._run(plan, p, r, x_dev, y_dev, outside, training, keep=True)
+                from_batch = self._run(plan, p, r, x_dev, y_dev, outside, training, keep=("keep", "caller"))
                 return self._result(y, lib, stream), Saved(self, plan, x_dev, outside, from_batch, None, recycle=False)
             if plan.frozen is not None:
                 buffers = plan.frozen["saved"]
@@ -485,7 +498,7 @@ class Functions:
             else:
                 buffers = plan.free_saved.pop() if plan.free_saved else plan.saved_buffers(self)
                 generation = None
-            from_batch = self._run(plan, p, r, x_dev, y_dev, buffers, training, keep=True)
+            from_batch = self._run(plan, p, r, x_dev, y_dev, buffers, training, keep=("keep", plan.slot(buffers)))
             return self._result(y, lib, stream), Saved(self, plan, x_dev, buffers, from_batch, generation)
 
     def evaluate(self, params: Mapping[str, Any], x: Any, running: Mapping[str, Any] | None = None) -> Any:
@@ -574,12 +587,12 @@ class Functions:
             if norm is not Normalization.NONE:
                 # Per channel: sum d_a and sum d_a * x_hat, the beta and gamma gradients, and
                 # for batch norm with batch statistics also what its backward needs.
-                self._rows(plan, ("grads", want_params), K.SUM_GRADS, narrow, z=saved.pre, d_y=d_y_dev,
+                self._rows(plan, ("grads", want_params, saved.slot), K.SUM_GRADS, narrow, z=saved.pre, d_y=d_y_dev,
                            out=plan.d_z, mean=mean, inv_std=inv_std, **self._norm(p), sums=plan.sums_col,
                            acc0=g.get("beta", d), acc1=g.get("gamma", d), accumulate=want_params)
                 if norm is Normalization.LAYER_NORM:
                     n = call.batch_size
-                    self._launch(plan, "seg_grads", self.k.segment_partials[K.SUM_GRADS], (n, plan.Q),
+                    self._launch(plan, ("seg_grads", saved.slot), self.k.segment_partials[K.SUM_GRADS], (n, plan.Q),
                                  K.SEG_THREADS, {"C": plan.C, "S": plan.S, "out0": plan.seg[0], "out1": plan.seg[1]},
                                  z=saved.pre, d_y=d_y_dev, mean=mean, inv_std=inv_std, **self._norm(p))
                     self._launch(plan, "seg_grads_final", self.k.partials_final, n, K.WARP,
@@ -590,8 +603,8 @@ class Functions:
             # d_z through the activation and the norm, and in the same pass its per-channel
             # sums: the bias gradient.
             bias_grad = want_params and self.spec.bias
-            self._rows(plan, ("dz", batch_stats, bias_grad), K.WRITE_DZ, narrow, z=saved.pre, d_y=d_y_dev,
-                       out=plan.d_z, mean=mean, inv_std=inv_std, **self._norm(p), sums=sums,
+            self._rows(plan, ("dz", batch_stats, bias_grad, saved.slot), K.WRITE_DZ, narrow, z=saved.pre,
+                       d_y=d_y_dev, out=plan.d_z, mean=mean, inv_std=inv_std, **self._norm(p), sums=sums,
                        batch_stats=batch_stats, count=count, acc0=g.get("bias", d), accumulate=bias_grad)
             d_x = None
             if want_input:

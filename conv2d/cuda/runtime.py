@@ -96,8 +96,11 @@ def as_stream(cuda, stream: Any):
 
 # How storage dtypes live on the device: numba has no bfloat16, so bfloat16 arrays are
 # their uint16 bit patterns there (rounded to nearest even by the kernels).
+_UINT16 = np.dtype(np.uint16)
+
+
 def device_dtype(dtype: DType) -> np.dtype:
-    return np.dtype(np.uint16) if DType(dtype) is DType.BFLOAT16 else storage_dtype(dtype)
+    return _UINT16 if dtype == DType.BFLOAT16 else storage_dtype(dtype)
 
 
 def to_device_bits(a: np.ndarray) -> np.ndarray:
