@@ -1,0 +1,75 @@
+"""The CUDA backend's Python host time per training step, without a GPU: numba's CUDA
+simulator with every kernel launch and cuDNN convolution stubbed to nothing, so what is
+timed is the orchestration alone (argument checks, plans, prepared launches, outputs).
+A proxy for the eager host time on a GPU (the simulator's arrays differ from numba's),
+good for comparing two versions on one machine:
+
+    python scripts/host_overhead_cuda.py TAG                       # this checkout
+    PYTHONPATH=/tmp/old python scripts/host_overhead_cuda.py old   # another commit's package
+
+(only the public layer API and `functions.launches` / `_impl._launches` are used).
+"""
+
+import os
+import statistics
+import sys
+import time
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+import numpy as np  # noqa: E402
+
+from conv2d import Conv2d, LayerSpec  # noqa: E402
+
+
+class NoConvolutions:
+    def __init__(self, spec=None):
+        pass
+
+    def forward(self, *args, **kwargs):
+        pass
+
+    def backward_data(self, *args, **kwargs):
+        pass
+
+    def backward_filter(self, *args, **kwargs):
+        pass
+
+
+class NoKernel:
+    def __getitem__(self, launch_config):
+        return lambda *args: None
+
+
+def main() -> None:
+    from numba import cuda
+
+    tag = sys.argv[1] if len(sys.argv) > 1 else "this"
+    for norm in ("none", "batch_norm"):
+        spec = LayerSpec(batch_size=1, in_height=16, in_width=16, in_channels=3, out_channels=8, kernel=3,
+                         padding=1, activation="relu", normalization=norm, dtype="float32")  # tiny_latency
+        functional = hasattr(Conv2d, "functions")
+        layer = Conv2d(spec, "cuda", convolutions=NoConvolutions if functional else NoConvolutions(spec))
+        x = cuda.to_device(np.zeros(spec.input_shape, np.float32))
+        dy = cuda.to_device(np.zeros(spec.output_shape, np.float32))
+
+        def step():
+            layer.forward(x, training=True)
+            layer.backward_full(x, dy)
+        for _ in range(3):  # every launch prepared (a forward's saved buffers alternate between two sets)
+            step()
+        for launch in (layer.functions.launches if functional else layer._impl._launches).values():
+            launch.kernel = NoKernel()
+        for _ in range(50):
+            step()
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                step()
+            times.append((time.perf_counter() - t0) / 200 * 1e6)
+        print(f"{tag} | {norm} | {statistics.median(times):.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
