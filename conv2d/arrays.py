@@ -15,7 +15,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from conv2d.checks import describe
+from conv2d.checks import check_plain_array, describe
 
 NUMPY, TORCH, CUPY, NUMBA, CUDA_ARRAY = "numpy", "torch", "cupy", "numba", "cuda_array_interface"
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -37,10 +37,8 @@ def library(a: Any) -> str | None:
 def host_array(name: str, a: Any) -> tuple[np.ndarray, str]:
     """(a NumPy view of `a`, its library) for a NumPy array or a torch CPU tensor; no copy."""
     lib = library(a)
-    if isinstance(a, np.ma.MaskedArray):
-        raise TypeError(f"{name}: expected a numpy.ndarray or a torch CPU tensor, got {describe(a)} (a masked "
-                        f"array: its mask would be ignored)")
     if lib == NUMPY:
+        check_plain_array(name, a, "a numpy.ndarray or a torch CPU tensor")
         return a, lib
     if lib == TORCH and hasattr(a, "device"):
         if a.device.type != "cpu":

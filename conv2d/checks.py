@@ -36,11 +36,18 @@ def check_shape_dtype(name: str, a: Any, shape: tuple[int, ...], dtype: np.dtype
                         f"nothing is cast silently)")
 
 
+def check_plain_array(name: str, a: Any, expected: str = "a numpy.ndarray") -> None:
+    """`a` must be a NumPy array and not a masked one (whose mask every computation here
+    would ignore)."""
+    if isinstance(a, np.ma.MaskedArray):
+        raise TypeError(f"{name}: expected {expected}, got {describe(a)} (a masked array: its mask would be ignored)")
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name}: expected {expected}, got {describe(a)}")
+
+
 def check_numpy(name: str, a: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A C-contiguous NumPy array of `shape` and `dtype`, or a clear error."""
-    if not isinstance(a, np.ndarray) or isinstance(a, np.ma.MaskedArray):
-        raise TypeError(f"{name}: expected a numpy.ndarray, got {describe(a)}"
-                        + (" (a masked array: its mask would be ignored)" if isinstance(a, np.ma.MaskedArray) else ""))
+    check_plain_array(name, a)
     check_shape_dtype(name, a, shape, dtype)
     if not a.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous array, got one with strides {a.strides} "

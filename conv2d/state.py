@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from conv2d.checks import check_finite, check_shape_dtype, describe
+from conv2d.checks import check_finite, check_plain_array, check_shape_dtype, describe
 from conv2d.dtypes import compute_dtype, storage_dtype
 from conv2d.spec import LayerSpec, Normalization
 
@@ -61,10 +61,7 @@ def check_arrays(what: str, arrays: Any, layout: Mapping[str, tuple[tuple[int, .
     out = {}
     for name, (shape, dtype) in layout.items():
         a = arrays[name]
-        if not isinstance(a, np.ndarray) or isinstance(a, np.ma.MaskedArray):
-            raise TypeError(f"{what}[{name!r}]: expected a numpy.ndarray, got {describe(a)}"
-                            + (" (a masked array: its mask would be ignored)" if isinstance(a, np.ma.MaskedArray)
-                               else ""))
+        check_plain_array(f"{what}[{name!r}]", a)
         check_shape_dtype(f"{what}[{name!r}]", a, shape, dtype)
         if not a.flags.c_contiguous:
             raise ValueError(f"{what}[{name!r}]: expected a C-contiguous array, got strides {a.strides} "

@@ -675,7 +675,10 @@ class Functions:
                     plan.eval_buffers = plan.saved_buffers(self)
             self._frozen = True
 
-    def _capture(self, run: Callable[[], dict], inputs: dict, snapshot: Callable) -> Any:
+    def capture(self, run: Callable[[], dict], inputs: dict, snapshot: Callable) -> Any:
+        """A CUDA graph of `run` (a layer's forward(training=True) + backward_full, or its
+        evaluate, on the device arrays `inputs`), captured on the layer's stream with the
+        layer frozen; see conv2d/cuda/capture.py."""
         from conv2d.cuda.capture import CapturedGraph
 
         for name, a in inputs.items():
@@ -695,12 +698,4 @@ class Functions:
             finally:
                 self._capture_stream = None
 
-    def capture(self, run: Callable[[], dict], inputs: dict, snapshot: Callable) -> Any:
-        """A CUDA graph of `run` (a layer's forward(training=True) + backward_full on the
-        device arrays `inputs`), captured on the layer's stream; see conv2d/cuda/capture.py."""
-        return self._capture(run, inputs, snapshot)
-
-    def capture_evaluate(self, run: Callable[[], dict], inputs: dict, snapshot: Callable) -> Any:
-        """A CUDA graph of `run` (a layer's evaluate on the device array inputs["x"])."""
-        return self._capture(run, inputs, snapshot)
-
+    capture_evaluate = capture  # the same capture; the layer's run says what it does

@@ -110,6 +110,15 @@ def _activation_input(spec: LayerSpec, params: dict, z: np.ndarray, mean: np.nda
     return norm.affine(x_hat, params["gamma"], params["beta"]), x_hat
 
 
+def check_input(spec: LayerSpec, name: str, x: Any) -> tuple[np.ndarray, str, LayerSpec]:
+    """(NumPy view of input x, its library, the call's spec) after every check of x:
+    (N, H, W, C) with the spec's C, a size the kernel fits, storage dtype, C-contiguous."""
+    x, lib = host_array(name, x)
+    call = input_spec(name, x, spec)
+    check_numpy(name, x, call.input_shape, storage_dtype(spec.dtype))
+    return x, lib, call
+
+
 def forward(spec: LayerSpec, params: Mapping[str, Any], x: Any, training: bool,
             running: Mapping[str, Any] | None = None) -> tuple[Any, Saved]:
     """(y (N, OH, OW, OC), saved) for input x (N, H, W, C) at any N, H, W the kernel fits.
@@ -118,10 +127,8 @@ def forward(spec: LayerSpec, params: Mapping[str, Any], x: Any, training: bool,
     in place (if given); otherwise it uses `running`. Layer norm uses each sample's own."""
     if not isinstance(training, bool):
         raise TypeError(f"training: expected a bool, got {training!r}")
-    x, lib = host_array("x", x)
-    call = input_spec("x", x, spec)
+    x, lib, call = check_input(spec, "x", x)
     st = storage_dtype(spec.dtype)
-    check_numpy("x", x, call.input_shape, st)
     need_running = spec.normalization is Normalization.BATCH_NORM and not training
     params, running = check_params(spec, params, running, need_running)
     pre = _pre_activations(call, params, x)
@@ -207,10 +214,7 @@ class Functions:
 
     def check_input(self, name: str, x: Any) -> LayerSpec:
         """The call's spec for input `x`, after the checks `forward` makes of it."""
-        x, _ = host_array(name, x)
-        call = input_spec(name, x, self.spec)
-        check_numpy(name, x, call.input_shape, storage_dtype(self.spec.dtype))
-        return call
+        return check_input(self.spec, name, x)[2]
 
     def forward(self, params: Mapping[str, Any], x: Any, training: bool,
                 running: Mapping[str, Any] | None = None) -> tuple[Any, Saved]:
@@ -224,8 +228,7 @@ class Functions:
         """A Saved made of the caller's arrays (a forward's saved values that the caller
         kept: a torch custom op returns them), for `backward`; mean and inv_std are
         ignored without a norm."""
-        call = self.check_input("x", x)
-        x_np, lib = host_array("x", x)
+        x_np, lib, call = check_input(self.spec, "x", x)
         pre_np, _ = host_array("pre", pre)
         check_shape_dtype("pre", pre_np, call.output_shape, storage_dtype(self.spec.dtype))
         stats = (None, None)
