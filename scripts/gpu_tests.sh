@@ -6,15 +6,19 @@
 #
 #     bash scripts/gpu_tests.sh [N] [pytest options...]
 #
-# Python: $PYTHON (default python3). Logs go to $LOGS (default: a new temporary
-# directory). Prints each slice's summary and the totals; exits non-zero when any slice
-# fails or nothing was collected.
+# Python: $PYTHON (default python3). Tests: $TESTS (default: tests; any pytest paths).
+# Logs go to $LOGS (default: a new temporary directory), written unbuffered so that a
+# stopped slice still shows how far it got. $SLICE_TIMEOUT (seconds, default none) stops a
+# slice that runs longer, so that the summary still prints inside a device command's limit.
+# Prints each slice's summary and the totals; exits non-zero when any slice fails, times
+# out or nothing was collected.
 set -uo pipefail
 n=${1:-$(nproc)}
 shift || true
 logs=${LOGS:-$(mktemp -d)}
 mkdir -p "$logs"
-"${PYTHON:-python3}" -m pytest --collect-only -q -p no:cacheprovider "$@" tests | grep '::' > "$logs/ids"
+export PYTHONUNBUFFERED=1
+"${PYTHON:-python3}" -m pytest --collect-only -q -p no:cacheprovider "$@" ${TESTS:-tests} | grep '::' > "$logs/ids"
 total=$(wc -l < "$logs/ids")
 if [ "$total" -eq 0 ]; then
   echo "gpu_tests: no tests collected" >&2
@@ -26,7 +30,7 @@ start=$(date +%s)
 for f in "$logs"/slice.???; do
   (
     mapfile -t ids < "$f"
-    "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider "$@" "${ids[@]}" > "$f.log" 2>&1
+    timeout "${SLICE_TIMEOUT:-0}" "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider "$@" "${ids[@]}" > "$f.log" 2>&1
     echo $? > "$f.rc"
   ) &
 done
@@ -34,7 +38,9 @@ wait
 status=0
 for f in "$logs"/slice.???; do
   rc=$(cat "$f.rc" 2>/dev/null || echo missing)
-  echo "$(basename "$f") rc=$rc: $(tail -n 1 "$f.log")"
+  last=$(tail -n 1 "$f.log")
+  [ "$rc" = 124 ] && last="timed out after ${SLICE_TIMEOUT}s; last output: ${last: -200}"
+  echo "$(basename "$f") rc=$rc: $last"
   [ "$rc" = 0 ] || status=1
 done
 sum() { grep -ohE "[0-9]+ $1" "$logs"/slice.???.log | awk '{s += $1} END {print s + 0}'; }
