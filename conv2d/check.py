@@ -39,6 +39,14 @@ def run(args: argparse.Namespace) -> int:
     if not files:
         print(f"conv2d check: no golden files in {GOLDEN_DIR} (a broken install?)")
         return 1
+    wanted = [name for name in getattr(args, "specs", "").split(",") if name]
+    known = [path.stem for path in files]
+    unknown = [name for name in wanted if name not in known]
+    if unknown:
+        print(f"conv2d check: --specs: unknown {unknown}; the shipped golden specs are {known}")
+        return 2
+    if wanted:
+        files = [path for path in files if path.stem in wanted]
     backends = [b for b in args.backends.split(",") if b]
     reason = _cuda_reason() if "cuda" in backends else None
     if reason is not None:

@@ -40,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     c = sub.add_parser("check", help="run the shipped golden outputs on every backend here (exit 1 on failure)")
     c.add_argument("--backends", default="reference,cuda", help="comma list (default: reference,cuda; cuda is "
                    "skipped with the reason where it cannot run)")
+    c.add_argument("--specs", default="", help="comma list of golden spec names to run (default: all of them; "
+                   "an unknown name is an error that lists the known ones)")
     args = parser.parse_args(argv)
     if args.command == "check":
         from conv2d import check

@@ -29,3 +29,16 @@ def test_check_names_why_the_cuda_backend_is_not_checked(capsys):
         pytest.skip("a GPU is here: the cuda backend is checked")
     assert main(["check"]) == 0
     assert capsys.readouterr().out.startswith("conv2d check: the cuda backend is not checked here:")
+
+
+def test_check_runs_only_the_specs_named(capsys):
+    assert main(["check", "--backends", "reference", "--specs", "relu_bn_nonsquare,gelu_original_ln"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert {row.split(" | ")[0][2:] for row in rows} == {"relu_bn_nonsquare", "gelu_original_ln"}
+    assert len(rows) == 2 * 4  # two specs x the reference's four dtypes
+
+
+def test_check_refuses_an_unknown_spec_name_and_lists_the_known_ones(capsys):
+    assert main(["check", "--backends", "reference", "--specs", "relu_bn_nonsquare,nope"]) == 2
+    out = capsys.readouterr().out
+    assert "--specs: unknown ['nope']" in out and "'tanh_stride4_pad2'" in out

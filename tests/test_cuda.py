@@ -1,6 +1,7 @@
 """The CUDA backend with cuDNN on a real GPU: golden files, agreement with the float64
 reference, accumulation, determinism, threads, zero-copy inputs, bad inputs, freezing."""
 
+import copy
 import dataclasses
 import gc
 import threading
@@ -546,25 +547,31 @@ def _module_pair(torch, norm, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("norm", NORMS)
-def test_the_module_on_the_gpu_matches_pytorch_within_the_dtype_tolerance(norm, dtype):
+def test_the_module_on_the_gpu_is_as_accurate_as_pytorch_in_the_same_dtype(norm, dtype):
+    """Output, input gradient and every parameter gradient of the module and of PyTorch's
+    own layers in `dtype`, each against PyTorch in float64 on the same (rounded) inputs and
+    weights: ours may be off by the dtype tolerance or by twice PyTorch's own error,
+    whichever is larger (in bfloat16 the conv bias gradient under batch norm is a sum that
+    cancels to zero, and PyTorch's rounding of it reaches 0.08)."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
     ours, theirs, tdt = _module_pair(torch, norm, dtype)
+    truth = copy.deepcopy(theirs).double()
     if norm == "batch_norm":
         theirs[1].float()  # the type policy's float32 norm, as ours
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(4, 5, 12, 10, device="cuda", generator=g).to(tdt, memory_format=torch.channels_last)
     d_y = torch.randn(4, 6, 12, 10, device="cuda", generator=g).to(tdt, memory_format=torch.channels_last)
     results = []
-    for model in (ours, theirs):
-        xr = x.detach().clone().requires_grad_(True)
+    for model in (ours, theirs, truth):
+        xr = x.detach().clone().to(torch.float64 if model is truth else tdt).requires_grad_(True)
         y = model(xr)
-        y.backward(d_y)
-        results.append((y.float(), xr.grad.float(), [p.grad.float() for p in model.parameters()]))
+        y.backward(d_y.to(y.dtype))
+        results.append([y.double(), xr.grad.double(), *(p.grad.double() for p in model.parameters())])
     tol = 2e-2 if dtype == "bfloat16" else 2e-4
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=tol, atol=tol)
-    torch.testing.assert_close(results[0][1], results[1][1], rtol=tol, atol=tol)
-    for a, b in zip(results[0][2], results[1][2]):
-        assert (a - b).abs().max() <= tol * max(1.0, b.abs().max())
+    names = ["y", "d_x", *(name for name, _ in ours.named_parameters())]
+    for name, a, b, t in zip(names, *results):
+        allowed = max(tol * max(1.0, t.abs().max().item()), 2 * (b - t).abs().max().item())
+        assert (a - t).abs().max().item() <= allowed, name
 
 
 def test_the_module_captured_in_a_torch_cuda_graph_replays_like_eager():
@@ -604,6 +611,8 @@ def test_torch_compile_of_the_module_on_the_gpu_matches_eager():
 def test_conv2d_check_passes_on_both_backends_with_bitwise_repeats_on_the_gpu(capsys):
     from conv2d.cli import main
 
-    assert main(["check"]) == 0
+    # Two specs (batch norm, layer norm): the whole set compiles every kernel variant again,
+    # minutes, and test_cuda_kernels runs each golden file on the GPU already.
+    assert main(["check", "--specs", "relu_bn_nonsquare,gelu_original_ln"]) == 0
     out = capsys.readouterr().out
     assert "| cuda |" in out and "| NO |" not in out and "bitwise repeats on the GPU" in out.splitlines()[-1]
