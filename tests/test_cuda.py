@@ -601,6 +601,41 @@ def test_the_module_captured_in_a_torch_cuda_graph_replays_like_eager():
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("norm", NORMS)
+def test_a_module_step_on_the_gpu_keeps_no_part_of_its_autograd_graph_alive(norm):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from conftest import autograd_history_kept
+
+    ours, _, _ = _module_pair(torch, norm, "float32")
+    x = torch.randn(4, 5, 12, 10, device="cuda").to(memory_format=torch.channels_last).requires_grad_(True)
+    assert autograd_history_kept(ours, x) == []
+
+
+def test_the_module_captures_after_eager_steps_on_the_default_stream():
+    """Eager steps on the legacy default stream, warm-up on a side stream, then a capture
+    (scripts/bench_cuda.py's order): nothing of the eager steps may reach into the capture."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    ours, _, _ = _module_pair(torch, "batch_norm", "float32")
+    x = torch.randn(4, 5, 12, 10, device="cuda").to(memory_format=torch.channels_last).requires_grad_(True)
+
+    def step():
+        x.grad = None
+        ours(x).sum().backward()
+    step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(x.grad).all()
+
+
 def test_torch_compile_of_the_module_on_the_gpu_matches_eager():
     torch = pytest.importorskip("torch", reason="torch is not installed")
     ours, _, _ = _module_pair(torch, "layer_norm", "float32")

@@ -129,6 +129,14 @@ def test_a_parameter_changed_in_place_before_backward_raises():
         y.sum().backward()
 
 
+@pytest.mark.parametrize("norm", NORMS)
+def test_a_step_keeps_no_part_of_its_autograd_graph_alive(norm):
+    from conftest import autograd_history_kept
+
+    module, _ = module_and_sequential(norm, "relu")
+    assert autograd_history_kept(module, channels_last((2, 3, 4, 4)).requires_grad_(True)) == []
+
+
 def test_bad_inputs_name_x():
     module, _ = module_and_sequential("none", "relu")
     with pytest.raises(ValueError, match="^x: expected a 4-D"):

@@ -5,6 +5,12 @@ Custom ops are opaque to `torch.compile` (one node of the graph, no graph break)
 and return tensors only, so the forward returns its saved values as tensors (the
 pre-activations, and the norm's mean and inv_std) and the backward takes them back.
 A backend's `Functions` object is named by a string key (`register`); the ops look it up.
+
+The ops hand the functions detached tensors: the CUDA functions keep their last arguments
+(prepared launches), and a tensor with autograd history kept there would keep the last
+step's graph, and the AccumulateGrad nodes of the leaves in it, alive into the next step
+(more memory, and a capture after eager steps on another stream fails on the node's
+stream).
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ def _lookup(key: str) -> Any:
     return fn
 
 
+def _detached(*tensors: Optional[Tensor]) -> list:
+    return [t if t is None else t.detach() for t in tensors]
+
+
 def _groups(fn: Any, n: int) -> int:
     norm = fn.spec.normalization
     return {Normalization.BATCH_NORM: fn.spec.out_channels, Normalization.LAYER_NORM: n}.get(norm, 0)
@@ -56,6 +66,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[T
     returns the updated running statistics, which the caller copies into its buffers;
     they are empty otherwise, and mean and inv_std are empty without a norm."""
     fn = _lookup(key)
+    x, weight, bias, gamma, beta = _detached(x, weight, bias, gamma, beta)
     update = running_mean is not None and training and fn.spec.normalization is Normalization.BATCH_NORM
     running = None
     if running_mean is not None:
@@ -102,6 +113,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[
              want_params: bool, key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d_x, d_weight, d_bias, d_gamma, d_beta), fresh; empty where not wanted or absent."""
     fn = _lookup(key)
+    x, weight, bias, gamma, beta, d_y = _detached(x, weight, bias, gamma, beta, d_y)
     saved = fn.saved(x, pre, mean, inv_std, batch_stats)
     grads, d_x = fn.backward(_params(weight, bias, gamma, beta), saved, d_y, want_params, want_input)
     grads = grads or {}
