@@ -19,7 +19,7 @@ logs=${LOGS:-$(mktemp -d)}
 mkdir -p "$logs"
 export PYTHONUNBUFFERED=1
 # One BLAS/OpenMP thread a slice: N slices of a BLAS that each start a thread per core
-# oversubscribe the machine (the CPU-heavy tests ran 10x slower that way on the H200's 16 cores).
+# oversubscribe the machine (the likely reason the 1-second digits-demo test overran a slice there).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1} \
        MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
 "${PYTHON:-python3}" -m pytest --collect-only -q -p no:cacheprovider "$@" ${TESTS:-tests} | grep '::' > "$logs/ids"
