@@ -22,6 +22,10 @@ class Sequential:
     values, this stack their inputs); `backward(x, d_y)` accumulates every layer's
     parameter gradients, `backward_full` also returns d_x. State and gradient dicts key
     each layer's entries by its index: "0.weights", "1.gamma", ...
+
+    On the CUDA backend the layers run on one stream (a layer's output is the next one's
+    input, with no synchronisation between them): `from_specs` gives them one, and layers
+    made apart must be given the same `stream=` (a ValueError says so otherwise).
     """
 
     def __init__(self, layers: list[Conv2d]) -> None:
@@ -37,11 +41,24 @@ class Sequential:
             if a.dtype is not b.dtype or layers[i].backend != layers[0].backend:
                 raise ValueError(f"layers[{i}]: dtype {b.dtype.value} on {layers[i].backend!r} differs from "
                                  f"layers[0]'s {layers[0].spec.dtype.value} on {layers[0].backend!r}")
+        if layers[0].backend == "cuda":
+            first = _stream_key(layers[0])
+            for i, layer in enumerate(layers[1:], 1):
+                if _stream_key(layer) != first:
+                    raise ValueError(f"layers[{i}]: runs on another CUDA stream than layers[0] (each layer's output "
+                                     f"is the next one's input, unsynchronised); give every layer the same stream= "
+                                     f"or use Sequential.from_specs, which does")
         self.layers = layers
         self._inputs: list[Any] | None = None
 
     @classmethod
     def from_specs(cls, specs: list[LayerSpec], backend: str = "reference", **options: Any) -> "Sequential":
+        """Layers of `specs` on `backend` with the backend `options` (on CUDA one stream for
+        all: the `stream` option, or a new one)."""
+        if backend == "cuda" and options.get("stream") is None:
+            from conv2d.cuda.runtime import numba_cuda
+
+            options = dict(options, stream=numba_cuda().stream())
         return cls([Conv2d(spec, backend, **options) for spec in specs])
 
     def __len__(self) -> int:
@@ -142,5 +159,21 @@ class Sequential:
         self._load("grads", grads, grads=True)
 
     def to(self, backend: str, **options: Any) -> "Sequential":
-        """A copy of the stack, state and gradients, on `backend`."""
+        """A copy of the stack, state and gradients, on `backend` (on CUDA one stream for
+        all, as `from_specs`)."""
+        if backend == "cuda" and options.get("stream") is None:
+            from conv2d.cuda.runtime import numba_cuda
+
+            options = dict(options, stream=numba_cuda().stream())
         return Sequential([layer.to(backend, **options) for layer in self.layers])
+
+
+def _stream_key(layer: Conv2d) -> tuple:
+    """What identifies a CUDA layer's own stream: its CUstream handle (numba's simulator
+    has none: the stream object)."""
+    stream = layer.functions.stream
+    if not hasattr(stream, "handle"):
+        return ("object", id(stream))
+    from conv2d.cuda.runtime import stream_handle
+
+    return ("handle", stream_handle(stream))

@@ -103,3 +103,34 @@ def test_a_state_dict_key_without_a_layer_index_is_refused_before_any_change():
         model.load_state_dict(state)
     for k, v in model.state_dict().items():
         np.testing.assert_array_equal(v, before[k], err_msg=k)
+
+
+def _cuda_options():
+    from conftest import HAVE_GPU
+
+    return {} if HAVE_GPU else {"convolutions": __import__("host_convolutions").HostConvolutions}
+
+
+def test_cuda_layers_made_by_from_specs_run_on_one_stream():
+    model = Sequential.from_specs(specs("float32"), "cuda", **_cuda_options())
+    streams = {id(layer.functions.stream) for layer in model}
+    assert len(streams) == 1
+
+
+def test_cuda_layers_on_different_streams_are_refused():
+    layers = [Conv2d(spec, "cuda", **_cuda_options()) for spec in specs("float32")]
+    with pytest.raises(ValueError, match=r"^layers\[1\]: runs on another CUDA stream than layers\[0\]"):
+        Sequential(layers)
+
+
+def test_a_cuda_stack_matches_the_reference_stack():
+    reference = stack(dtype="float32")
+    model = reference.to("cuda", **_cuda_options())
+    x = np.random.default_rng(3).standard_normal((3, 8, 7, 2)).astype(np.float32)
+    d_y = np.random.default_rng(4).standard_normal((3, 1, 1, 3)).astype(np.float32)
+    want_y, got_y = reference.forward(x), model.forward(x)
+    want_dx, got_dx = reference.backward_full(x, d_y), model.backward_full(x, d_y)
+    np.testing.assert_allclose(got_y, want_y, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_dx, want_dx, rtol=1e-4, atol=1e-4)
+    for k, v in reference.grad_dict().items():
+        np.testing.assert_allclose(model.grad_dict()[k], v, rtol=1e-4, atol=1e-4, err_msg=k)

@@ -83,8 +83,8 @@ def as_stream(cuda, stream: Any):
     int, or any object with `cuda_stream` (torch) or `ptr` (cupy))."""
     if stream is None:
         return cuda.stream()
-    if hasattr(stream, "handle") and hasattr(stream, "synchronize"):
-        return stream
+    if hasattr(stream, "synchronize") and (hasattr(stream, "handle") or simulating()):
+        return stream  # a numba stream (the simulator's have no handle)
     for attr in ("cuda_stream", "ptr"):
         if hasattr(stream, attr):
             return cuda.external_stream(int(getattr(stream, attr)))
