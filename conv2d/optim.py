@@ -20,8 +20,12 @@ and, with preset "torch" / "torch_adamw", exactly as `torch.optim.Adam` / `AdamW
 float32 master copy here (the original's master parameters), taken when the optimizer is
 made: load weights first, then make the optimizer (or load its `state_dict`); moments are
 float32 (float64 for float64 layers). `state_dict()`/`load_state_dict()` save and restore
-the step count and every buffer. The arithmetic of one parameter is `conv2d/reference/optim.py`
-(NumPy) or `conv2d/cuda/optim.py` (a kernel a parameter), per the layer's backend.
+the step count and every buffer. The arithmetic is `conv2d/reference/optim.py` (NumPy) or
+`conv2d/cuda/optim.py` (one kernel launch a layer), per the layer's backend.
+
+The step count t lives beside each layer's buffers on its backend (on the GPU, in device
+memory, read and advanced by the update kernel), so that a CUDA graph of a whole training
+step (`Conv2d.capture(x, d_y, optimizer=...)`) replays with the right t; `t` reads it.
 """
 
 from __future__ import annotations
@@ -70,8 +74,9 @@ class _Optimizer:
 
     def __init__(self, model: Any) -> None:
         self.layers = _layers(model)
-        self.t = 0
         self.state: list[dict[str, dict[str, Any]]] = []
+        self._steps: list[Any] = []  # per layer, the step count (one int64) on its backend
+        self._prepared: list[dict] = []  # per layer, what its backend keeps between steps (CUDA: the launch)
         for layer in self.layers:
             params = layer.state_dict()
             fn = layer.functions
@@ -84,6 +89,20 @@ class _Optimizer:
                     arrays["master"] = value.astype(np.float32)
                 per[name] = fn.from_host(arrays)
             self.state.append(per)
+            self._steps.append(fn.from_host({"step": np.zeros(1, np.int64)})["step"])
+            self._prepared.append({})
+
+    @property
+    def t(self) -> int:
+        """Steps taken (after the steps queued on the GPU, which this waits for)."""
+        return int(self._host(self.layers[0], self._steps[0])[0])
+
+    @staticmethod
+    def _host(layer: Conv2d, a: Any) -> np.ndarray:
+        if isinstance(a, np.ndarray):
+            return a.copy()
+        layer.functions.current_stream.synchronize()  # the updates before the copy
+        return a.copy_to_host()
 
     def _buffers(self) -> tuple[str, ...]:
         raise NotImplementedError
@@ -94,15 +113,13 @@ class _Optimizer:
             layer.zero_gradient()
 
     def step(self) -> None:
-        """Update every parameter from its layer's accumulated gradient, in place."""
-        self.t += 1
-        for layer, per in zip(self.layers, self.state):
-            params, grads, fn = layer.parameters(), layer.gradients(), layer.functions
-            for name, value in params.items():
-                self._update(fn, name, value, grads[name], per[name])
+        """Update every parameter from its layer's accumulated gradient, in place (one
+        launch a layer on the GPU, on the layer's current stream)."""
+        for layer, per, step, prepared in zip(self.layers, self.state, self._steps, self._prepared):
+            self._step(layer.functions, layer.parameters(), layer.gradients(), per, step, prepared)
             layer.parameters_changed()
 
-    def _update(self, fn: Any, name: str, value: Any, grad: Any, arrays: dict) -> None:
+    def _step(self, fn: Any, params: dict, grads: dict, buffers: dict, step: Any, prepared: dict) -> None:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -111,13 +128,9 @@ class _Optimizer:
         arrays = {}
         for i, (layer, per) in enumerate(zip(self.layers, self.state)):
             shapes = {k: v.shape for k, v in layer.state_dict().items()}
-            stream = getattr(layer.functions, "current_stream", None)
-            if stream is not None:
-                stream.synchronize()  # the updates before the copies
             for name, buffers in per.items():
                 for k, v in buffers.items():
-                    host = v.copy() if isinstance(v, np.ndarray) else v.copy_to_host()  # float32/float64 buffers
-                    arrays[f"{i}.{name}.{k}"] = host.reshape(shapes[name])
+                    arrays[f"{i}.{name}.{k}"] = self._host(layer, v).reshape(shapes[name])  # float32/float64
         return {"t": self.t, "arrays": arrays}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -138,10 +151,10 @@ class _Optimizer:
             if not isinstance(a, np.ndarray) or a.shape != want.shape or a.dtype != want.dtype:
                 raise ValueError(f"state['arrays'][{k!r}]: expected a {want.dtype} array of shape {want.shape}, got "
                                  f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
-        for i, (layer, per) in enumerate(zip(self.layers, self.state)):
+        for i, (layer, per, step) in enumerate(zip(self.layers, self.state, self._steps)):
             for name, buffers in per.items():
                 layer.functions.write(buffers, {k: arrays[f"{i}.{name}.{k}"] for k in buffers})
-        self.t = t
+            layer.functions.write({"step": step}, {"step": np.array([t], np.int64)})
 
 
 class Adam(_Optimizer):
@@ -172,12 +185,8 @@ class Adam(_Optimizer):
     def _buffers(self) -> tuple[str, ...]:
         return ("m", "v")
 
-    def _update(self, fn: Any, name: str, value: Any, grad: Any, arrays: dict) -> None:
-        h, t = self.hyper, self.t
-        step = dict(h, decay=name in DECAYED and h["weight_decay"] > 0,
-                    c1=1.0 / (1.0 - h["beta1"] ** t), c2=1.0 / (1.0 - h["beta2"] ** t),
-                    step_size=h["lr"] / (1.0 - h["beta1"] ** t), bc2_sqrt=(1.0 - h["beta2"] ** t) ** 0.5)
-        fn.adam_update(value, grad, arrays["m"], arrays["v"], arrays.get("master"), step)
+    def _step(self, fn: Any, params: dict, grads: dict, buffers: dict, step: Any, prepared: dict) -> None:
+        fn.adam_step(params, grads, buffers, step, dict(self.hyper, decayed=DECAYED), prepared)
 
 
 class SGD(_Optimizer):
@@ -197,5 +206,5 @@ class SGD(_Optimizer):
     def _buffers(self) -> tuple[str, ...]:
         return ("buf",) if self.hyper["momentum"] > 0 else ()
 
-    def _update(self, fn: Any, name: str, value: Any, grad: Any, arrays: dict) -> None:
-        fn.sgd_update(value, grad, arrays.get("buf"), arrays.get("master"), dict(self.hyper, first=self.t == 1))
+    def _step(self, fn: Any, params: dict, grads: dict, buffers: dict, step: Any, prepared: dict) -> None:
+        fn.sgd_step(params, grads, buffers, step, self.hyper, prepared)

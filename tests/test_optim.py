@@ -129,15 +129,23 @@ def test_bad_hyper_parameters_are_refused_naming_them(bad, message):
         Adam(make_layer(SPEC), **bad)
 
 
+CUDA_KINDS = {"adam": lambda m: Adam(m, lr=1e-2, weight_decay=0.1),
+              "adam_torch": lambda m: Adam(m, preset="torch", lr=1e-2, weight_decay=0.1),
+              "adamw": lambda m: Adam(m, preset="torch_adamw", lr=1e-2, weight_decay=0.1),
+              "sgd": lambda m: SGD(m, lr=0.05),
+              "sgd_nesterov": lambda m: SGD(m, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)}
+
+
+@pytest.mark.parametrize("norm, bias", [("batch_norm", True), ("layer_norm", False), ("none", True)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd_nesterov"])
-def test_the_cuda_update_matches_the_reference_and_repeats_bitwise(kind, dtype):
+@pytest.mark.parametrize("kind", sorted(CUDA_KINDS))
+def test_the_cuda_update_matches_the_reference_and_repeats_bitwise(kind, dtype, norm, bias):
+    """One launch updates all of a layer's parameters (every slot combination: weights,
+    bias, gamma and beta; weights and bias; weights, gamma and beta)."""
     pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (the test extra brings it)")
-    spec = dataclasses.replace(SPEC, dtype=dtype)
+    spec = dataclasses.replace(SPEC, dtype=dtype, normalization=norm, bias=bias)
     options = {} if HAVE_GPU else {"convolutions": __import__("host_convolutions").HostConvolutions}
-    make = {"adam": lambda m: Adam(m, lr=1e-2, weight_decay=0.1),
-            "adamw": lambda m: Adam(m, preset="torch_adamw", lr=1e-2, weight_decay=0.1),
-            "sgd_nesterov": lambda m: SGD(m, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)}[kind]
+    make = CUDA_KINDS[kind]
     grads = gradient_sequence(spec, steps=3)
     runs = []
     for _ in range(2):
@@ -182,6 +190,26 @@ def test_a_wrong_optimizer_state_is_refused_before_any_change():
     with pytest.raises(ValueError, match=r"state\['arrays'\]\['0.weights.m'\]: expected a float64 array"):
         opt.load_state_dict(state)
     assert opt.t == 0
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_the_step_count_advances_with_each_step_on_the_layers_backend(backend):
+    options = {}
+    if backend == "cuda":
+        pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (the test extra brings it)")
+        options = {} if HAVE_GPU else {"convolutions": __import__("host_convolutions").HostConvolutions}
+    # 16 x 3 x 3 x 8 weights: a launch of several blocks, whose last one stores the count
+    spec = dataclasses.replace(SPEC, dtype="float32", in_channels=8, out_channels=16)
+    layer = make_layer(spec, backend=backend, **options)
+    opt = Adam(layer, lr=1e-2)
+    assert opt.t == 0
+    grads = gradient_sequence(spec, steps=3)
+    got = run_ours(layer, opt, grads)
+    assert opt.t == 3 and opt.state_dict()["t"] == 3
+    ref = make_layer(spec)
+    want = run_ours(ref, Adam(ref, lr=1e-2), grads)
+    for k in want:  # each step used its own t (bias corrections of steps 1, 2, 3)
+        np.testing.assert_allclose(got[k], want[k].astype(np.float32), rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_an_optimizer_state_round_trips_on_the_cuda_backend():

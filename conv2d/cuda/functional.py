@@ -210,18 +210,23 @@ class Functions:
         """The stream of the last call (the layer's own, or torch's current one)."""
         return self._current
 
-    # Optimizer updates of one flat parameter (conv2d.optim), on the current stream.
-    def adam_update(self, value: Any, grad: Any, m: Any, v: Any, master: Any, h: dict) -> None:
+    # Optimizer steps of a layer's flat parameters (conv2d.optim), one launch on the current stream.
+    def adam_step(self, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
+                  step: Any, h: dict, prepared: dict) -> None:
+        """One Adam step of a layer's parameters; `step` is the device step count and
+        `prepared` a dict the caller keeps per layer for the prepared launch."""
         from conv2d.cuda import optim
 
         with self._lock:
-            optim.adam(self, value, grad, m, v, master, h)
+            optim.adam_step(self, params, grads, buffers, step, h, prepared)
 
-    def sgd_update(self, value: Any, grad: Any, buf: Any, master: Any, h: dict) -> None:
+    def sgd_step(self, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
+                 step: Any, h: dict, prepared: dict) -> None:
+        """One SGD step of a layer's parameters (see `adam_step`)."""
         from conv2d.cuda import optim
 
         with self._lock:
-            optim.sgd(self, value, grad, buf, master, h)
+            optim.sgd_step(self, params, grads, buffers, step, h, prepared)
 
     @property
     def launches(self) -> dict[tuple, Launch]:

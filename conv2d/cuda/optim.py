@@ -1,95 +1,233 @@
-"""The optimizers' per-array updates as numba kernels, the same arithmetic as
-`conv2d/reference/optim.py` in float32, elementwise (so bitwise deterministic): one
-launch a parameter array. Storage arrays are float32, float16 or uint16 bfloat16 bits;
-moments, momentum buffers and 16-bit parameters' master copies are float32."""
+"""The optimizers' update of one layer as numba kernels: one launch updates every
+parameter of the layer (up to four arrays: weights, bias, gamma, beta), with the same
+arithmetic as `conv2d/reference/optim.py` in float32, elementwise (so bitwise
+deterministic). Storage arrays are float32, float16 or uint16 bfloat16 bits; moments,
+momentum buffers and 16-bit parameters' master copies are float32.
+
+The step count lives on the device (`step`, one int64): a launch reads the count before
+it, t - 1, computes step t's bias corrections in float64 (as the reference does on the
+host), and its last block to finish (an atomic ticket) stores t. Nothing of a step is
+passed from the host, so a CUDA graph that captured a training step replays with the
+right t each time, bitwise like the eager steps.
+"""
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 from conv2d.cuda.kernels import elementwise_grid, storage_io
+from conv2d.cuda.launch import Launch
 from conv2d.cuda.runtime import numba_cuda
 
 cuda = numba_cuda()
 f32 = np.float32
 ZERO, ONE, TWO = f32(0), f32(1), f32(2)
 RULES = {"rl_tools": 0, "torch": 1, "torch_w": 2}
+SLOTS = ("weights", "bias", "gamma", "beta")  # a layer's parameters, in the kernels' slot order
+
+
+def _adam_one(load: Any, store: Any) -> Any:
+    @cuda.jit(device=True, inline=True)
+    def update(value, grad, m, v, master, has_master, decay, i, rule, lr, beta1, beta2, eps, eps_sqrt,
+               weight_decay, c1, c2, step_size, bc2_sqrt):
+        p = master[i] if has_master else load(value, i)
+        g = load(grad, i)
+        if rule == 0:  # rl_tools
+            mi = beta1 * m[i] + (ONE - beta1) * g
+            vi = beta2 * v[i] + (ONE - beta2) * g * g
+            update = lr * c1 * mi / (math.sqrt(max(vi * c2, eps_sqrt)) + eps)
+            if decay:
+                update += p * weight_decay / TWO
+            p = p - update
+        else:
+            if rule == 1 and weight_decay != ZERO:  # Adam's L2 term
+                g = g + weight_decay * p
+            elif rule == 2 and weight_decay != ZERO:  # AdamW's decoupled decay
+                p = p * (ONE - lr * weight_decay)
+            mi = m[i] + (g - m[i]) * (ONE - beta1)
+            vi = v[i] * beta2 + g * g * (ONE - beta2)
+            p = p - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
+        m[i] = mi
+        v[i] = vi
+        if has_master:
+            master[i] = p
+        store(value, i, p)
+    return update
+
+
+def _sgd_one(load: Any, store: Any) -> Any:
+    @cuda.jit(device=True, inline=True)
+    def update(value, grad, buf, master, has_master, has_buf, first, i, lr, momentum, dampening, weight_decay,
+               nesterov):
+        p = master[i] if has_master else load(value, i)
+        g = load(grad, i)
+        if weight_decay != ZERO:
+            g = g + weight_decay * p
+        if has_buf:
+            b = g if first else buf[i] * momentum + g * (ONE - dampening)
+            buf[i] = b
+            g = g + momentum * b if nesterov else b
+        p = p - lr * g
+        if has_master:
+            master[i] = p
+        store(value, i, p)
+    return update
+
+
+@cuda.jit(device=True, inline=True)
+def _finish_step(step, ticket, t):
+    # Every thread of the block has read step[0] (before the barrier); the block's ticket
+    # says it is done, and the last block stores t and resets the ticket for the next step.
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        cuda.threadfence()
+        if cuda.atomic.add(ticket, 0, 1) == cuda.gridDim.x - 1:
+            step[0] = t
+            ticket[0] = 0
 
 
 @functools.lru_cache(maxsize=None)
-def kernels(storage: str) -> tuple[Any, Any]:
-    """(adam, sgd) kernels for arrays of one storage format."""
-    load, store, _, _, _ = storage_io(storage)
+def adam_kernel(storages: tuple[str, str, str, str]) -> Any:
+    """The fused Adam kernel for a layer whose four parameter slots store `storages`."""
+    u0, u1, u2, u3 = (_adam_one(*storage_io(s)[:2]) for s in storages)
 
     @cuda.jit
-    def adam(value, grad, m, v, master, has_master, rule, lr, beta1, beta2, eps, eps_sqrt, weight_decay, decay,
-             c1, c2, step_size, bc2_sqrt, total):
-        for i in range(cuda.grid(1), total, cuda.gridsize(1)):
-            p = master[i] if has_master else load(value, i)
-            g = load(grad, i)
-            if rule == 0:  # rl_tools
-                mi = beta1 * m[i] + (ONE - beta1) * g
-                vi = beta2 * v[i] + (ONE - beta2) * g * g
-                update = lr * c1 * mi / (math.sqrt(max(vi * c2, eps_sqrt)) + eps)
-                if decay:
-                    update += p * weight_decay / TWO
-                p = p - update
+    def adam_layer(value0, grad0, m0, v0, master0, value1, grad1, m1, v1, master1, value2, grad2, m2, v2, master2,
+                   value3, grad3, m3, v3, master3, n0, n1, n2, n3, flags, step, ticket, rule, lr64, beta1_64,
+                   beta2_64, eps64, eps_sqrt64, weight_decay64):
+        t = step[0] + 1
+        b1t = math.pow(beta1_64, np.float64(t))
+        b2t = math.pow(beta2_64, np.float64(t))
+        c1 = np.float32(1.0 / (1.0 - b1t))
+        c2 = np.float32(1.0 / (1.0 - b2t))
+        step_size = np.float32(lr64 / (1.0 - b1t))
+        bc2_sqrt = np.float32(math.sqrt(1.0 - b2t))
+        lr, beta1, beta2 = np.float32(lr64), np.float32(beta1_64), np.float32(beta2_64)
+        eps, eps_sqrt, wd = np.float32(eps64), np.float32(eps_sqrt64), np.float32(weight_decay64)
+        e1 = n0 + n1
+        e2 = e1 + n2
+        for i in range(cuda.grid(1), e2 + n3, cuda.gridsize(1)):
+            if i < n0:
+                u0(value0, grad0, m0, v0, master0, flags & 1, flags & 16, i, rule, lr, beta1, beta2, eps,
+                   eps_sqrt, wd, c1, c2, step_size, bc2_sqrt)
+            elif i < e1:
+                u1(value1, grad1, m1, v1, master1, flags & 2, flags & 32, i - n0, rule, lr, beta1, beta2, eps,
+                   eps_sqrt, wd, c1, c2, step_size, bc2_sqrt)
+            elif i < e2:
+                u2(value2, grad2, m2, v2, master2, flags & 4, flags & 64, i - e1, rule, lr, beta1, beta2, eps,
+                   eps_sqrt, wd, c1, c2, step_size, bc2_sqrt)
             else:
-                if rule == 1 and weight_decay != ZERO:  # Adam's L2 term
-                    g = g + weight_decay * p
-                elif rule == 2 and weight_decay != ZERO:  # AdamW's decoupled decay
-                    p = p * (ONE - lr * weight_decay)
-                mi = m[i] + (g - m[i]) * (ONE - beta1)
-                vi = v[i] * beta2 + g * g * (ONE - beta2)
-                p = p - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
-            m[i] = mi
-            v[i] = vi
-            if has_master:
-                master[i] = p
-            store(value, i, p)
+                u3(value3, grad3, m3, v3, master3, flags & 8, flags & 128, i - e2, rule, lr, beta1, beta2, eps,
+                   eps_sqrt, wd, c1, c2, step_size, bc2_sqrt)
+        _finish_step(step, ticket, t)
+    return adam_layer
+
+
+@functools.lru_cache(maxsize=None)
+def sgd_kernel(storages: tuple[str, str, str, str]) -> Any:
+    """The fused SGD kernel for a layer whose four parameter slots store `storages`."""
+    u0, u1, u2, u3 = (_sgd_one(*storage_io(s)[:2]) for s in storages)
 
     @cuda.jit
-    def sgd(value, grad, buf, master, has_master, has_buf, first, lr, momentum, dampening, weight_decay,
-            nesterov, total):
-        for i in range(cuda.grid(1), total, cuda.gridsize(1)):
-            p = master[i] if has_master else load(value, i)
-            g = load(grad, i)
-            if weight_decay != ZERO:
-                g = g + weight_decay * p
-            if has_buf:
-                b = g if first else buf[i] * momentum + g * (ONE - dampening)
-                buf[i] = b
-                g = g + momentum * b if nesterov else b
-            p = p - lr * g
-            if has_master:
-                master[i] = p
-            store(value, i, p)
-
-    return adam, sgd
-
-
-def adam(cuda_fn: Any, value: Any, grad: Any, m: Any, v: Any, master: Any, h: dict) -> None:
-    """One Adam step of a flat device parameter on the functions' current stream."""
-    k, _ = kernels(cuda_fn.spec.dtype.value if value.dtype != np.float32 else "float32")
-    total = value.size
-    d = master if master is not None else m
-    k[elementwise_grid(total)[0], elementwise_grid(total)[1], cuda_fn.current_stream](
-        value, grad, m, v, d, master is not None, RULES[h["rule"]], f32(h["lr"]), f32(h["beta1"]), f32(h["beta2"]),
-        f32(h["eps"]), f32(h.get("eps_sqrt", 0.0)), f32(h["weight_decay"]), bool(h.get("decay", False)),
-        f32(h.get("c1", 1.0)), f32(h.get("c2", 1.0)), f32(h.get("step_size", 0.0)), f32(h.get("bc2_sqrt", 1.0)),
-        total)
+    def sgd_layer(value0, grad0, buf0, master0, value1, grad1, buf1, master1, value2, grad2, buf2, master2,
+                  value3, grad3, buf3, master3, n0, n1, n2, n3, flags, step, ticket, lr64, momentum64,
+                  dampening64, weight_decay64, nesterov):
+        t = step[0] + 1
+        first = t == 1
+        has_buf = flags & 16
+        lr, momentum = np.float32(lr64), np.float32(momentum64)
+        dampening, wd = np.float32(dampening64), np.float32(weight_decay64)
+        e1 = n0 + n1
+        e2 = e1 + n2
+        for i in range(cuda.grid(1), e2 + n3, cuda.gridsize(1)):
+            if i < n0:
+                u0(value0, grad0, buf0, master0, flags & 1, has_buf, first, i, lr, momentum, dampening, wd, nesterov)
+            elif i < e1:
+                u1(value1, grad1, buf1, master1, flags & 2, has_buf, first, i - n0, lr, momentum, dampening, wd,
+                   nesterov)
+            elif i < e2:
+                u2(value2, grad2, buf2, master2, flags & 4, has_buf, first, i - e1, lr, momentum, dampening, wd,
+                   nesterov)
+            else:
+                u3(value3, grad3, buf3, master3, flags & 8, has_buf, first, i - e2, lr, momentum, dampening, wd,
+                   nesterov)
+        _finish_step(step, ticket, t)
+    return sgd_layer
 
 
-def sgd(cuda_fn: Any, value: Any, grad: Any, buf: Any, master: Any, h: dict) -> None:
-    """One SGD step of a flat device parameter on the functions' current stream."""
-    _, k = kernels(cuda_fn.spec.dtype.value if value.dtype != np.float32 else "float32")
-    total = value.size
-    d = master if master is not None else (buf if buf is not None else value)
-    k[elementwise_grid(total)[0], elementwise_grid(total)[1], cuda_fn.current_stream](
-        value, grad, buf if buf is not None else d, master if master is not None else d, master is not None,
-        buf is not None, bool(h["first"]), f32(h["lr"]), f32(h["momentum"]), f32(h["dampening"]),
-        f32(h["weight_decay"]), bool(h["nesterov"]), total)
+def _slots(cuda_fn: Any, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
+           per_slot: tuple[str, ...], dummy: Any) -> tuple[dict, tuple, int]:
+    """The kernel arguments of the four slots (absent ones: the dummy, size 0), their
+    storage formats, and the flags' has-master bits."""
+    args, storages, flags = {}, [], 0
+    for k, name in enumerate(SLOTS):
+        value = params.get(name)
+        b = buffers.get(name, {})
+        if value is None:
+            storages.append("float32")
+            args.update({f"value{k}": dummy, f"grad{k}": dummy, f"n{k}": np.int64(0)})
+            args.update({f"{x}{k}": dummy for x in per_slot})
+            continue
+        storages.append(cuda_fn.spec.dtype.value if value.dtype != np.float32 else "float32")
+        master = b.get("master")
+        flags |= (1 << k) if master is not None else 0
+        args.update({f"value{k}": value, f"grad{k}": grads[name], f"n{k}": np.int64(value.size)})
+        args.update({f"{x}{k}": b[x] if b.get(x) is not None else dummy for x in per_slot})
+    return args, tuple(storages), flags
+
+
+def _launch(cuda_fn: Any, prepared: dict, kind: str, make: Any, args: dict) -> None:
+    """The layer's prepared launch of `kind` (made on first use), on the current stream,
+    with `args` (only what changed is rewritten)."""
+    launch = prepared.get(kind)
+    total = int(args["n0"] + args["n1"] + args["n2"] + args["n3"])
+    if launch is None:
+        grid, block = elementwise_grid(total)
+        launch = prepared[kind] = Launch(make(), grid, block, cuda_fn.current_stream, args)
+    if launch.stream is not cuda_fn.current_stream:
+        launch.set_stream(cuda_fn.current_stream)
+    launch(**args)
+
+
+def adam_step(cuda_fn: Any, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
+              step: Any, h: Mapping[str, Any], prepared: dict) -> None:
+    """One Adam step of every parameter of a layer, one launch on the functions' current
+    stream. `buffers[name]` holds "m", "v" (and "master" for a 16-bit parameter), float32;
+    `step` the device step count; `prepared` a dict the caller keeps for this layer's
+    launches (and the ticket)."""
+    dummy, ticket = _scratch(cuda_fn, prepared)
+    args, storages, flags = _slots(cuda_fn, params, grads, buffers, ("m", "v", "master"), dummy)
+    for k, name in enumerate(SLOTS):
+        if name in params and name in h["decayed"] and h["weight_decay"] > 0:
+            flags |= 16 << k
+    args.update(flags=np.int32(flags), step=step, ticket=ticket, rule=np.int32(RULES[h["rule"]]),
+                lr64=np.float64(h["lr"]), beta1_64=np.float64(h["beta1"]), beta2_64=np.float64(h["beta2"]),
+                eps64=np.float64(h["eps"]), eps_sqrt64=np.float64(h.get("eps_sqrt", 0.0)),
+                weight_decay64=np.float64(h["weight_decay"]))
+    _launch(cuda_fn, prepared, "adam", lambda: adam_kernel(storages), args)
+
+
+def sgd_step(cuda_fn: Any, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
+             step: Any, h: Mapping[str, Any], prepared: dict) -> None:
+    """One SGD step of every parameter of a layer, one launch (see `adam_step`);
+    `buffers[name]` holds "buf" with momentum (and "master" for a 16-bit parameter)."""
+    dummy, ticket = _scratch(cuda_fn, prepared)
+    args, storages, flags = _slots(cuda_fn, params, grads, buffers, ("buf", "master"), dummy)
+    flags |= 16 if h["momentum"] > 0 else 0
+    args.update(flags=np.int32(flags), step=step, ticket=ticket, lr64=np.float64(h["lr"]),
+                momentum64=np.float64(h["momentum"]), dampening64=np.float64(h["dampening"]),
+                weight_decay64=np.float64(h["weight_decay"]), nesterov=bool(h["nesterov"]))
+    _launch(cuda_fn, prepared, "sgd", lambda: sgd_kernel(storages), args)
+
+
+def _scratch(cuda_fn: Any, prepared: dict) -> tuple[Any, Any]:
+    """The layer's stand-in array for absent slots and its zeroed ticket (made once)."""
+    if "ticket" not in prepared:
+        stream = cuda_fn.current_stream
+        prepared["dummy"] = cuda.to_device(np.zeros(1, np.float32), stream=stream)
+        prepared["ticket"] = cuda.to_device(np.zeros(1, np.int32), stream=stream)
+    return prepared["dummy"], prepared["ticket"]

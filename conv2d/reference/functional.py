@@ -248,13 +248,15 @@ class Functions:
         return view
 
     # Optimizer updates of one parameter (conv2d.optim), in place.
-    def adam_update(self, value: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray,
-                    master: np.ndarray | None, h: dict) -> None:
-        optim.adam(value, grad, m, v, master, h)
+    def adam_step(self, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
+                  buffers: Mapping[str, dict], step: np.ndarray, h: dict, prepared: dict | None = None) -> None:
+        """One Adam step of a layer's parameters (conv2d.optim); `prepared` is unused here."""
+        optim.adam_step(params, grads, buffers, step, h)
 
-    def sgd_update(self, value: np.ndarray, grad: np.ndarray, buf: np.ndarray | None, master: np.ndarray | None,
-                   h: dict) -> None:
-        optim.sgd(value, grad, buf, master, h)
+    def sgd_step(self, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
+                 buffers: Mapping[str, dict], step: np.ndarray, h: dict, prepared: dict | None = None) -> None:
+        """One SGD step of a layer's parameters (conv2d.optim); `prepared` is unused here."""
+        optim.sgd_step(params, grads, buffers, step, h)
 
     # Memory: the layer's arrays are NumPy arrays of the state layout's shapes.
     def from_host(self, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

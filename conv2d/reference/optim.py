@@ -1,15 +1,18 @@
-"""The optimizers' per-array updates in NumPy, in place, in the compute dtype (float64
-for float64 arrays, float32 otherwise); `conv2d.optim` holds their state and order, and
-`conv2d/cuda/optim.py` has the same updates as kernels.
+"""The optimizers' updates in NumPy, in place, in the compute dtype (float64 for float64
+arrays, float32 otherwise); `conv2d.optim` holds their state, and `conv2d/cuda/optim.py`
+has the same updates as kernels (one launch a layer).
 
-Each function updates `value` from `grad` and the optimizer's arrays for one parameter:
+`adam` and `sgd` update `value` from `grad` and the optimizer's arrays for one parameter:
 `master` is the float32 copy of a 16-bit parameter (None otherwise), updated and then
 rounded into `value`. `h` holds the step's hyper-parameters (see `conv2d.optim`).
+`adam_step` and `sgd_step` update every parameter of a layer for the step after the count
+in `step` (a one-element int64 array), then store the new count there, as the kernels do.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -74,3 +77,34 @@ def sgd(value: np.ndarray, grad: np.ndarray, buf: np.ndarray | None, master: np.
             buf[...] = buf * mom + g * (t(1) - t(h["dampening"]))
         g = g + mom * buf if h["nesterov"] else buf.astype(ct)
     _finish(value, p - t(h["lr"]) * g, master)
+
+
+def bias_corrections(h: Mapping[str, Any], t: int) -> dict[str, float]:
+    """Adam's step-t factors, in float64: c1 = 1 / (1 - beta1^t), c2 = 1 / (1 - beta2^t)
+    (rl_tools), step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t) (torch)."""
+    b1t, b2t = math.pow(h["beta1"], t), math.pow(h["beta2"], t)
+    return {"c1": 1.0 / (1.0 - b1t), "c2": 1.0 / (1.0 - b2t), "step_size": h["lr"] / (1.0 - b1t),
+            "bc2_sqrt": math.sqrt(1.0 - b2t)}
+
+
+def adam_step(params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray], buffers: Mapping[str, dict],
+              step: np.ndarray, h: Mapping[str, Any]) -> None:
+    """One Adam step of every parameter of a layer; h["decayed"] names those that take
+    rl_tools' weight decay."""
+    t = int(step[0]) + 1
+    corrections = bias_corrections(h, t)
+    for name, value in params.items():
+        b = buffers[name]
+        decay = name in h["decayed"] and h["weight_decay"] > 0
+        adam(value, grads[name], b["m"], b["v"], b.get("master"), dict(h, decay=decay, **corrections))
+    step[0] = t
+
+
+def sgd_step(params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray], buffers: Mapping[str, dict],
+             step: np.ndarray, h: Mapping[str, Any]) -> None:
+    """One SGD step of every parameter of a layer (the momentum buffers start on step 1)."""
+    t = int(step[0]) + 1
+    for name, value in params.items():
+        b = buffers[name]
+        sgd(value, grads[name], b.get("buf"), b.get("master"), dict(h, first=t == 1))
+    step[0] = t
