@@ -216,21 +216,35 @@ class Conv2d:
             self._saved, self._saved_input, self._saved_version = saved
         return restore
 
-    def capture(self, x: Any, d_y: Any) -> Any:
-        """CUDA backend: capture forward(training=True) + backward_full as one CUDA graph.
+    def capture(self, x: Any, d_y: Any, optimizer: Any = None) -> Any:
+        """CUDA backend: capture forward(training=True) + backward_full as one CUDA graph;
+        with `optimizer` (a conv2d.optim optimizer over this layer alone) the whole
+        training step: zero_gradient, forward, backward_full and optimizer.step().
 
         `x` (N, H, W, C) and `d_y` (N, OH, OW, OC) must be device arrays; the graph reads
         them where they are, so write new data into them and call `.replay()`. The layer
         is frozen; `.outputs["y"]` and `.outputs["d_x"]` are the buffers each replay
-        writes. Parameters, gradients and running statistics change with each replay
-        exactly as with an eager step, bitwise."""
+        writes. Parameters, gradients, running statistics and the optimizer's state
+        change with each replay exactly as with an eager step, bitwise."""
         capture = self._cuda_only("capture")
+        if optimizer is not None and list(getattr(optimizer, "layers", ())) != [self]:
+            raise ValueError(f"optimizer: expected a conv2d.optim optimizer over this layer alone, got "
+                             f"{type(optimizer).__name__} over {len(getattr(optimizer, 'layers', ()))} layers")
 
         def run() -> dict[str, Any]:
+            if optimizer is not None:
+                self.zero_gradient()
             y = self.forward(x, training=True)
-            return {"y": y, "d_x": self.backward_full(x, d_y)}
+            d_x = self.backward_full(x, d_y)
+            if optimizer is not None:
+                optimizer.step()
+            return {"y": y, "d_x": d_x}
+
+        def snapshot() -> Callable[[], None]:
+            restores = [self._snapshot()] + ([optimizer.snapshot()] if optimizer is not None else [])
+            return lambda: [restore() for restore in restores] and None
         with self._lock:
-            return capture(run, {"x": x, "d_y": d_y}, self._snapshot)
+            return capture(run, {"x": x, "d_y": d_y}, snapshot)
 
     def capture_evaluate(self, x: Any) -> Any:
         """CUDA backend: capture evaluate(x) as one CUDA graph (see `capture`);

@@ -122,6 +122,12 @@ class _Optimizer:
     def _step(self, fn: Any, params: dict, grads: dict, buffers: dict, step: Any, prepared: dict) -> None:
         raise NotImplementedError
 
+    def snapshot(self) -> Any:
+        """A function that puts the step count and every buffer back as they are now (what
+        a capture's warm-up step changed)."""
+        state = self.state_dict()
+        return lambda: self.load_state_dict(state)
+
     def state_dict(self) -> dict[str, Any]:
         """The step count and every buffer as NumPy copies, keyed "<layer>.<parameter>.<buffer>"
         ("m", "v" for Adam, "buf" for SGD with momentum, "master" for 16-bit parameters)."""

@@ -114,6 +114,47 @@ class Sequential:
         """Accumulate every layer's parameter gradients and return d_x."""
         return self._backward(x, d_y, want_input=True)
 
+    def capture(self, x: Any, d_y: Any, optimizer: Any = None) -> Any:
+        """CUDA backend: capture forward(training=True) + backward_full through every layer
+        as one CUDA graph; with `optimizer` (a conv2d.optim optimizer over these layers)
+        the whole training step: zero_gradient, forward, backward_full, optimizer.step().
+        As `Conv2d.capture`: `x` and `d_y` are device arrays the graph reads where they
+        are, the layers are frozen, `.outputs["y"]` and `.outputs["d_x"]` are what each
+        replay writes, and every replay changes the state exactly as an eager step."""
+        if self.backend != "cuda":
+            raise TypeError(f"capture: the {self.backend!r} backend has no CUDA graphs")
+        if optimizer is not None and list(getattr(optimizer, "layers", ())) != self.layers:
+            raise ValueError(f"optimizer: expected a conv2d.optim optimizer over this Sequential's layers, got "
+                             f"{type(optimizer).__name__} over {len(getattr(optimizer, 'layers', ()))} layers")
+        first = self.layers[0]
+        call = first.functions.check_input("x", x)
+        followers = []
+        for layer in self.layers[1:]:
+            n, h, w, _ = call.output_shape
+            call = layer.spec.at(n, h, w)
+            followers.append((layer.functions, call))
+
+        def run() -> dict[str, Any]:
+            if optimizer is not None:
+                self.zero_gradient()
+            y = self.forward(x, training=True)
+            d_x = self.backward_full(x, d_y)
+            if optimizer is not None:
+                optimizer.step()
+            return {"y": y, "d_x": d_x}
+
+        def snapshot() -> Any:
+            restores = [layer._snapshot() for layer in self.layers]
+            restores += [optimizer.snapshot()] if optimizer is not None else []
+            inputs = self._inputs
+
+            def restore() -> None:
+                for r in restores:
+                    r()
+                self._inputs = inputs
+            return restore
+        return first.functions.capture(run, {"x": x, "d_y": d_y}, snapshot, tuple(followers))
+
     def zero_gradient(self) -> None:
         for layer in self.layers:
             layer.zero_gradient()

@@ -332,6 +332,66 @@ def test_a_captured_step_replays_bitwise_like_eager_steps(norm, dtype):
             np.testing.assert_array_equal(b[k].view(np.uint8), a[k].view(np.uint8), err_msg=k)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_a_captured_training_step_with_adam_replays_bitwise_like_eager_steps(norm, dtype):
+    """zero_gradient, forward, backward_full and the optimizer's step in one graph: three
+    replays leave weights, statistics, moments and step count bitwise as three eager steps
+    (the bias corrections of steps 1, 2, 3 come from the count on the device)."""
+    from conv2d.optim import Adam
+
+    spec = spec_for("relu", norm, dtype)
+    x, dy = random_inputs(spec)
+    eager, captured = make_layer(spec, backend="cuda"), make_layer(spec, backend="cuda")
+    eager_opt, captured_opt = Adam(eager, lr=1e-2, weight_decay=0.1), Adam(captured, lr=1e-2, weight_decay=0.1)
+    xe, dye = _device_pair(spec, x, dy)
+    xc, dyc = _device_pair(spec, x, dy)
+    graph = captured.capture(xc, dyc, optimizer=captured_opt)
+    assert captured_opt.t == 0  # the capture's warm-up step was undone
+    for _ in range(3):
+        eager.zero_gradient()
+        eager.forward(xe, training=True)
+        eager.backward_full(xe, dye)
+        eager_opt.step()
+        graph.replay()
+    assert captured_opt.t == eager_opt.t == 3
+    for a, b in ((eager.state_dict(), captured.state_dict()),
+                 (eager_opt.state_dict()["arrays"], captured_opt.state_dict()["arrays"])):
+        for k in a:
+            np.testing.assert_array_equal(b[k].view(np.uint8), a[k].view(np.uint8), err_msg=k)
+
+
+def test_a_captured_sequential_training_step_replays_bitwise_like_eager_steps():
+    from numba import cuda
+
+    from conv2d import Sequential
+    from conv2d.optim import SGD
+
+    specs = [LayerSpec(batch_size=4, in_height=8, in_width=8, in_channels=3, out_channels=8, kernel=3, padding=1,
+                       activation="relu", normalization="batch_norm", dtype="bfloat16"),
+             LayerSpec(batch_size=4, in_height=8, in_width=8, in_channels=8, out_channels=5, kernel=8,
+                       activation="identity", dtype="bfloat16")]  # a dense head
+    models = [Sequential.from_specs(specs, "cuda") for _ in range(2)]
+    for m in models:
+        m.init_weights(np.random.default_rng(0))
+    opts = [SGD(m, lr=0.05, momentum=0.9) for m in models]
+    rng = np.random.default_rng(1)
+    st = storage_dtype(specs[0].dtype)
+    x = rng.standard_normal((4, 8, 8, 3)).astype(st)
+    dy = rng.standard_normal((4, 1, 1, 5)).astype(st)
+    from conv2d.cuda.runtime import to_device_bits
+    xe, dye, xc, dyc = (cuda.to_device(to_device_bits(a)) for a in (x, dy, x, dy))
+    graph = models[1].capture(xc, dyc, optimizer=opts[1])
+    for _ in range(3):
+        models[0].zero_gradient()
+        models[0].forward(xe)
+        models[0].backward_full(xe, dye)
+        opts[0].step()
+        graph.replay()
+    for k, v in models[0].state_dict().items():
+        np.testing.assert_array_equal(models[1].state_dict()[k].view(np.uint8), v.view(np.uint8), err_msg=k)
+
+
 def test_a_replay_reads_new_values_written_into_the_captured_inputs():
     spec = spec_for("gelu", "layer_norm")
     x, dy = random_inputs(spec)

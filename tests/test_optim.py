@@ -224,3 +224,17 @@ def test_an_optimizer_state_round_trips_on_the_cuda_backend():
     other.load_state_dict(state)
     for k, v in other.state_dict()["arrays"].items():
         np.testing.assert_array_equal(v, state["arrays"][k], err_msg=k)
+
+
+def test_a_capture_refuses_an_optimizer_over_other_layers_before_any_change():
+    pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (the test extra brings it)")
+    options = {} if HAVE_GPU else {"convolutions": __import__("host_convolutions").HostConvolutions}
+    spec = dataclasses.replace(SPEC, dtype="float32")
+    layer, other = make_layer(spec, backend="cuda", **options), make_layer(spec, backend="cuda", **options)
+    before = layer.state_dict()
+    x, d_y = (np.zeros(s, np.float32) for s in (spec.input_shape, spec.output_shape))
+    with pytest.raises(ValueError, match="^optimizer: expected a conv2d.optim optimizer over this layer alone, "
+                                         "got Adam over 1 layers"):
+        layer.capture(x, d_y, optimizer=Adam(other))
+    for k, v in before.items():
+        np.testing.assert_array_equal(layer.state_dict()[k], v, err_msg=k)

@@ -28,10 +28,11 @@ after the old one. Arrays:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -680,10 +681,13 @@ class Functions:
                     plan.eval_buffers = plan.saved_buffers(self)
             self._frozen = True
 
-    def capture(self, run: Callable[[], dict], inputs: dict, snapshot: Callable) -> Any:
+    def capture(self, run: Callable[[], dict], inputs: dict, snapshot: Callable,
+                followers: tuple = ()) -> Any:
         """A CUDA graph of `run` (a layer's forward(training=True) + backward_full, or its
-        evaluate, on the device arrays `inputs`), captured on the layer's stream with the
-        layer frozen; see conv2d/cuda/capture.py."""
+        evaluate, on the device arrays `inputs`; or a whole training step), captured on
+        the layer's stream with the layer frozen; see conv2d/cuda/capture.py.
+        `followers`: (functions, call spec) of further layers that `run` calls on the same
+        stream (the rest of a Sequential), frozen and held on that stream as well."""
         from conv2d.cuda.capture import CapturedGraph
 
         for name, a in inputs.items():
@@ -692,14 +696,27 @@ class Functions:
                                 f"(e.g. numba.cuda.to_device(x)), got a numpy.ndarray")
         call = self._input("x", inputs["x"])[0]
         if "d_y" in inputs:
-            device_view(self.cuda, "d_y", inputs["d_y"], self.spec.dtype, call.output_shape)
+            out = followers[-1][1] if followers else call
+            device_view(self.cuda, "d_y", inputs["d_y"], self.spec.dtype, out.output_shape)
+        held = [(self, call), *followers]
+        for fn, _ in held[1:]:
+            if fn.stream is not self.stream and stream_handle(fn.stream) != stream_handle(self.stream):
+                raise ValueError("a captured graph runs on one stream: every layer needs the same stream=")
+        with contextlib.ExitStack() as stack:
+            for fn, c in held:
+                stack.enter_context(fn._held_for_capture(c))
+            return CapturedGraph(stream_handle(self.stream), self.stream.synchronize, run, snapshot, inputs)
+
+    @contextlib.contextmanager
+    def _held_for_capture(self, call: LayerSpec) -> Iterator[None]:
+        """Plan `call`'s shape, freeze, and run every call on the layer's own stream until exit."""
         with self._lock:
             self._plan(call)
             self.freeze()
             self._enter(NUMPY, None)  # the layer's own stream
             self._capture_stream = self.stream
             try:
-                return CapturedGraph(stream_handle(self.stream), self.stream.synchronize, run, snapshot, inputs)
+                yield
             finally:
                 self._capture_stream = None
 
