@@ -4,6 +4,7 @@ as a CUDA graph on both sides, plus a batch sweep of rl_small.
 
     python scripts/bench_cuda.py [--shapes a,b] [--dtypes float32,bfloat16] [--iters 20]
                                  [--sweep 1,2,4,...] [--no-tuned] [--no-module] [--no-acting] [--no-tf32]
+                                 [--no-optim]
                                  [--out DIR]
 
 PyTorch runs nn.Conv2d (+ nn.BatchNorm2d) + nn.ReLU in channels_last with
@@ -18,7 +19,9 @@ module in PyTorch's own step in place of the Sequential, eager and in torch.cuda
 Then (unless --no-acting) acting: evaluate at N = 1 and a synchronisation, eager and
 replayed, wall time a call, beside PyTorch's eval module under no_grad; and (unless
 --no-tf32) ours with allow_tf32=True beside PyTorch's float32 default (TF32,
-cudnn.benchmark = True), eager and as CUDA graphs.
+cudnn.benchmark = True), eager and as CUDA graphs; and (unless --no-optim) Adam: our
+fused step beside torch.optim.Adam(fused=True), alone and inside a whole training step
+captured as one CUDA graph on each side.
 GPU time: CUDA
 events around `iters` steps on each side's stream; wall time: perf_counter around the
 same steps and a final synchronize; each the median of 5 such blocks after a warm-up,
@@ -155,6 +158,71 @@ def pytorch(spec, x_host, dy_host, iters: int, eager: bool = True, benchmark: bo
     return out
 
 
+def optim_ours(spec, x_host, dy_host, iters: int) -> dict:
+    """Our Adam (preset "torch") on one layer: the optimizer step alone, eager (one fused
+    launch), and the whole training step (zero_gradient, forward, backward_full, step)
+    captured as one CUDA graph."""
+    from conv2d import Conv2d
+    from conv2d.cuda.runtime import to_device_bits
+    from conv2d.optim import Adam
+
+    layer = Conv2d(spec, "cuda")
+    layer.init_weights(np.random.default_rng(0))
+    opt = Adam(layer, preset="torch")
+    cuda, stream = layer.functions.cuda, layer.functions.stream
+    x = cuda.to_device(to_device_bits(x_host), stream=stream)
+    dy = cuda.to_device(to_device_bits(dy_host), stream=stream)
+
+    def event():
+        e = cuda.event()
+        e.record(stream)
+        return e
+    out = {"step": timed(opt.step, event, cuda.event_elapsed_time, stream.synchronize, iters)}
+    graph = layer.capture(x, dy, optimizer=opt)
+    out["graph"] = timed(graph.replay, event, cuda.event_elapsed_time, stream.synchronize, iters)
+    return out
+
+
+def optim_pytorch(spec, x_host, dy_host, iters: int) -> dict:
+    """torch.optim.Adam(fused=True, capturable=True) on PyTorch's Sequential: the step
+    alone, eager, and the whole training step (zero_grad, forward, backward, step) in a
+    CUDA graph, as PyTorch's whole-network capture recipe does it."""
+    import torch
+
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype.value]
+    layers = [torch.nn.Conv2d(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding)]
+    if spec.normalization.value == "batch_norm":
+        layers.append(torch.nn.BatchNorm2d(spec.out_channels, eps=spec.bn_epsilon, momentum=spec.bn_momentum))
+    layers.append(torch.nn.ReLU())
+    model = torch.nn.Sequential(*layers).cuda().to(dtype=dt, memory_format=torch.channels_last).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True, capturable=True)
+    x = torch.from_numpy(x_host.astype(np.float32)).cuda().to(dt).permute(0, 3, 1, 2)
+    dy = torch.from_numpy(dy_host.astype(np.float32)).cuda().to(dt).permute(0, 3, 1, 2)
+
+    def event():
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def train():
+        model(x).backward(dy)
+        opt.step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            train()
+    torch.cuda.current_stream().wait_stream(side)
+    out = {"step": timed(opt.step, event, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize, iters)}
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        train()
+    out["graph"] = timed(graph.replay, event, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize, iters)
+    return out
+
+
 def acting_ours(spec, x_host, iters: int) -> dict:
     """evaluate at N = 1 and a synchronisation, wall ms per call: eager and captured."""
     from conv2d import Conv2d
@@ -234,6 +302,7 @@ def main() -> None:
     ap.add_argument("--no-module", action="store_true", help="skip the PyTorch-module table")
     ap.add_argument("--no-acting", action="store_true", help="skip the acting table (evaluate at N = 1)")
     ap.add_argument("--no-tf32", action="store_true", help="skip the TF32 table")
+    ap.add_argument("--no-optim", action="store_true", help="skip the optimizer table (Adam step, whole step graph)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -341,6 +410,23 @@ def main() -> None:
             print(line, flush=True)
         # the strict comparison's settings again for what follows
         torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic = False, True
+    if not args.no_optim:
+        head = ["", "## Adam: the optimizer step alone (eager) and the whole training step (zero grad, forward, "
+                "backward, step) as one CUDA graph; ours conv2d.optim.Adam(preset='torch') (16-bit layers keep "
+                "float32 masters), PyTorch torch.optim.Adam(fused=True, capturable=True)", "",
+                "| shape | norm | dtype | ours step wall | torch step wall | ratio | ours step GPU | torch step GPU "
+                "| ratio | ours whole-step graph GPU | torch whole-step graph GPU | ratio |",
+                "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += head
+        print("\n".join(head), flush=True)
+        for name, bn, spec, x, dy in cases(args.shapes, args.dtypes):
+            o, t = optim_ours(spec, x, dy, args.iters), optim_pytorch(spec, x, dy, args.iters)
+            line = (f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} | {o['step'][1]:.4f} "
+                    f"| {t['step'][1]:.4f} | {o['step'][1] / t['step'][1]:.2f} | {o['step'][0]:.4f} "
+                    f"| {t['step'][0]:.4f} | {o['step'][0] / t['step'][0]:.2f} | {o['graph'][0]:.3f} "
+                    f"| {t['graph'][0]:.3f} | {o['graph'][0] / t['graph'][0]:.2f} |")
+            lines.append(line)
+            print(line, flush=True)
     sweep = []
     if args.sweep:
         head = ["", "## Batch sweep: rl_small, bfloat16, batch norm, CUDA-graph GPU ms per step", "",
