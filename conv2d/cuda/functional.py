@@ -45,7 +45,7 @@ from conv2d.cuda.runtime import (as_stream, device_dtype, device_input, device_v
                                  require_gpu, simulating, stream_handle, to_device_bits, torch_current_stream,
                                  torch_dtype, torch_tensor_over, zero_fill)
 from conv2d.dtypes import storage_dtype
-from conv2d.spec import DType, LayerSpec, Normalization
+from conv2d.spec import Activation, DType, LayerSpec, Normalization
 from conv2d.state import RUNNING, grad_layout, state_layout
 
 
@@ -163,7 +163,7 @@ class Functions:
         self.stream = as_stream(cuda, stream)
         self._current = self.stream  # the stream of the last call
         self._capture_stream = None  # the stream every call uses while a graph is captured
-        self.relu_fusion = spec.normalization is Normalization.NONE and spec.activation.value == "relu"
+        self.relu_fusion = spec.normalization is Normalization.NONE and spec.activation is Activation.RELU
         if convolutions is None:
             handle = cudnn.create_handle(stream_handle(self.stream))
             self._handle = handle

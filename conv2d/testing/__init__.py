@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from conv2d.dtypes import tolerance
-from conv2d.spec import DType, LayerSpec
+from conv2d.spec import DType, LayerSpec, Normalization
 
 
 def reduction_lengths(spec: LayerSpec) -> dict[str, int]:
     """The longest sum behind each result of the layer (what `tolerance` scales with)."""
     kh, kw = spec.kernel
     pixels = spec.batch_size * spec.out_height * spec.out_width
-    norm = pixels if spec.normalization.value == "batch_norm" else spec.out_height * spec.out_width * spec.out_channels
+    norm = pixels if spec.normalization is Normalization.BATCH_NORM else spec.out_height * spec.out_width * spec.out_channels
     forward = kh * kw * spec.in_channels
     if spec.normalization.value != "none":
         forward = max(forward, norm)
@@ -36,8 +36,8 @@ def cancellation_scales(spec: LayerSpec, training: bool, x: np.ndarray,
     """
     from conv2d.reference.conv import conv_backward_filter
 
-    batch_stats = spec.normalization.value == "layer_norm" or (
-        spec.normalization.value == "batch_norm" and training)
+    batch_stats = spec.normalization is Normalization.LAYER_NORM or (
+        spec.normalization is Normalization.BATCH_NORM and training)
     if not batch_stats:
         return {}
     d_abs = np.abs(np.asarray(d_pre, dtype=np.float64))
@@ -67,7 +67,7 @@ def conditioning_scales(spec: LayerSpec, state: dict[str, np.ndarray], x: np.nda
     from conv2d.reference.conv import conv_backward_data
     from conv2d.state import RUNNING
 
-    if spec.normalization.value == "none":
+    if spec.normalization is Normalization.NONE:
         return {}
     spec64 = replace(spec, dtype="float64")
     params = {k: np.asarray(v, np.float64) for k, v in state.items() if k not in RUNNING}
@@ -80,7 +80,7 @@ def conditioning_scales(spec: LayerSpec, state: dict[str, np.ndarray], x: np.nda
     z = saved.pre
     gamma, inv_std = params["gamma"], saved.inv_std
     scale_z = np.abs(z).max(axis=axes)  # per group, as inv_std
-    if spec.normalization.value == "batch_norm":
+    if spec.normalization is Normalization.BATCH_NORM:
         y_scale = float((np.abs(gamma) * inv_std * scale_z).max())
     else:
         y_scale = float((np.abs(gamma).max() * inv_std * scale_z).max())
