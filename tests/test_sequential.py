@@ -134,3 +134,23 @@ def test_a_cuda_stack_matches_the_reference_stack():
     np.testing.assert_allclose(got_dx, want_dx, rtol=1e-4, atol=1e-4)
     for k, v in reference.grad_dict().items():
         np.testing.assert_allclose(model.grad_dict()[k], v, rtol=1e-4, atol=1e-4, err_msg=k)
+
+
+def test_capture_is_refused_on_the_reference_backend():
+    x = np.zeros((3, 8, 7, 2))
+    with pytest.raises(TypeError, match="^capture: the 'reference' backend has no CUDA graphs"):
+        stack().capture(x, np.zeros((3, 1, 1, 3)))
+
+
+def test_a_stack_capture_refuses_an_optimizer_over_other_layers_before_any_change():
+    from conv2d.optim import Adam
+
+    model = Sequential.from_specs(specs("float32"), "cuda", **_cuda_options())
+    other = Sequential.from_specs(specs("float32"), "cuda", **_cuda_options())
+    before = model.state_dict()
+    x, d_y = np.zeros((3, 8, 7, 2), np.float32), np.zeros((3, 1, 1, 3), np.float32)
+    with pytest.raises(ValueError, match="^optimizer: expected a conv2d.optim optimizer over this Sequential's "
+                                         "layers, got Adam over 3 layers"):
+        model.capture(x, d_y, optimizer=Adam(other))
+    for k, v in before.items():
+        np.testing.assert_array_equal(model.state_dict()[k], v, err_msg=k)
