@@ -78,32 +78,97 @@ def second_batch(n: int) -> int:
     return 8 if n == 1 else max(1, n // 4)
 
 
-def ours(spec, x_host, dy_host, iters: int, eager: bool = True, autotune: bool = False, planned=None,
-         allow_tf32: bool = False) -> dict:
-    """Our step on x_host, dy_host; the layer is planned for `planned` (a spec; default `spec`)."""
+def our_layer(spec, **options):
+    """A CUDA layer of `spec` with PyTorch-style random weights, and a `timed` for it
+    (CUDA events on the layer's stream)."""
     from conv2d import Conv2d
-    from conv2d.cuda.runtime import to_device_bits
 
-    layer = Conv2d(planned or spec, "cuda", autotune=autotune, allow_tf32=allow_tf32)
+    layer = Conv2d(spec, "cuda", **options)
     layer.init_weights(np.random.default_rng(0))
-    impl = layer.functions
-    cuda, stream = impl.cuda, impl.stream
-    x = cuda.to_device(to_device_bits(x_host), stream=stream)
-    dy = cuda.to_device(to_device_bits(dy_host), stream=stream)
+    cuda, stream = layer.functions.cuda, layer.functions.stream
 
     def event():
         e = cuda.event()
         e.record(stream)
         return e
+    return layer, lambda run, iters: timed(run, event, cuda.event_elapsed_time, stream.synchronize, iters)
 
+
+def on_device(layer, *host):
+    """Host arrays as device arrays on the layer's stream (bfloat16 as its bits)."""
+    from conv2d.cuda.runtime import to_device_bits
+
+    fn = layer.functions
+    return [fn.cuda.to_device(to_device_bits(a), stream=fn.stream) for a in host]
+
+
+def torch_timed(run, iters: int) -> tuple[float, float]:
+    """`timed` with CUDA events on torch's current stream."""
+    import torch
+
+    def event():
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+    return timed(run, event, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize, iters)
+
+
+def torch_graph(step, warmup=None, no_grad: bool = False):
+    """`step` captured in a CUDA graph after three `warmup` calls (default `step`) on a side
+    stream, PyTorch's capture recipe; `no_grad` runs both under torch.no_grad."""
+    import contextlib
+
+    import torch
+
+    grad = torch.no_grad if no_grad else contextlib.nullcontext
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), grad():
+        for _ in range(3):
+            (warmup or step)()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), grad():
+        step()
+    return graph
+
+
+def torch_dtype(spec):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype.value]
+
+
+def torch_sequential(spec):
+    """PyTorch's Conv2d (+ BatchNorm2d) + ReLU for `spec`, channels_last, in the spec's dtype."""
+    import torch
+
+    layers = [torch.nn.Conv2d(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding)]
+    if spec.normalization.value == "batch_norm":
+        layers.append(torch.nn.BatchNorm2d(spec.out_channels, eps=spec.bn_epsilon, momentum=spec.bn_momentum))
+    layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers).cuda().to(dtype=torch_dtype(spec), memory_format=torch.channels_last)
+
+
+def torch_nchw(a: np.ndarray, spec):
+    """An (N, H, W, C) host array as an NCHW view of a channels_last CUDA tensor."""
+    import torch
+
+    return torch.from_numpy(a.astype(np.float32)).cuda().to(torch_dtype(spec)).permute(0, 3, 1, 2)
+
+
+def ours(spec, x_host, dy_host, iters: int, eager: bool = True, autotune: bool = False, planned=None,
+         allow_tf32: bool = False) -> dict:
+    """Our step on x_host, dy_host; the layer is planned for `planned` (a spec; default `spec`)."""
+    layer, ours_timed = our_layer(planned or spec, autotune=autotune, allow_tf32=allow_tf32)
+    x, dy = on_device(layer, x_host, dy_host)
     out = {}
     if eager:
         def step():
             layer.forward(x, training=True)
             layer.backward_full(x, dy)
-        out["eager"] = timed(step, event, cuda.event_elapsed_time, stream.synchronize, iters)
-    graph = layer.capture(x, dy)
-    out["graph"] = timed(graph.replay, event, cuda.event_elapsed_time, stream.synchronize, iters)
+        out["eager"] = ours_timed(step, iters)
+    out["graph"] = ours_timed(layer.capture(x, dy).replay, iters)
     return out
 
 
@@ -117,44 +182,25 @@ def pytorch(spec, x_host, dy_host, iters: int, eager: bool = True, benchmark: bo
     torch.backends.cudnn.benchmark = benchmark
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cudnn.deterministic = not tf32
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype.value]
     if module:
         from conv2d.torch import Conv2dNormActivation
 
         model = Conv2dNormActivation(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding,
                                      norm=spec.normalization.value, activation="relu", eps=spec.bn_epsilon,
-                                     momentum=spec.bn_momentum, device="cuda").to(dt).train()
+                                     momentum=spec.bn_momentum, device="cuda").to(torch_dtype(spec)).train()
     else:
-        layers = [torch.nn.Conv2d(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding)]
-        if spec.normalization.value == "batch_norm":
-            layers.append(torch.nn.BatchNorm2d(spec.out_channels, eps=spec.bn_epsilon, momentum=spec.bn_momentum))
-        layers.append(torch.nn.ReLU())
-        model = torch.nn.Sequential(*layers).cuda().to(dtype=dt, memory_format=torch.channels_last).train()
-    x = torch.from_numpy(x_host.astype(np.float32)).cuda().to(dt).permute(0, 3, 1, 2).requires_grad_(True)
-    dy = torch.from_numpy(dy_host.astype(np.float32)).cuda().to(dt).permute(0, 3, 1, 2)
+        model = torch_sequential(spec).train()
+    x = torch_nchw(x_host, spec).requires_grad_(True)
+    dy = torch_nchw(dy_host, spec)
 
     def step():
         x.grad = None
         model(x).backward(dy)  # parameter gradients accumulate, as ours
 
-    def event():
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
     out = {}
     if eager:
-        out["eager"] = timed(step, event, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize, iters)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    out["graph"] = timed(graph.replay, event, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize, iters)
+        out["eager"] = torch_timed(step, iters)
+    out["graph"] = torch_timed(torch_graph(step).replay, iters)
     return out
 
 
@@ -162,92 +208,56 @@ def optim_ours(spec, x_host, dy_host, iters: int) -> dict:
     """Our Adam (preset "torch") on one layer: the optimizer step alone, eager (one fused
     launch), and the whole training step (zero_gradient, forward, backward_full, step)
     captured as one CUDA graph."""
-    from conv2d import Conv2d
-    from conv2d.cuda.runtime import to_device_bits
     from conv2d.optim import Adam
 
-    layer = Conv2d(spec, "cuda")
-    layer.init_weights(np.random.default_rng(0))
+    layer, ours_timed = our_layer(spec)
     opt = Adam(layer, preset="torch")
-    cuda, stream = layer.functions.cuda, layer.functions.stream
-    x = cuda.to_device(to_device_bits(x_host), stream=stream)
-    dy = cuda.to_device(to_device_bits(dy_host), stream=stream)
-
-    def event():
-        e = cuda.event()
-        e.record(stream)
-        return e
-    out = {"step": timed(opt.step, event, cuda.event_elapsed_time, stream.synchronize, iters)}
-    graph = layer.capture(x, dy, optimizer=opt)
-    out["graph"] = timed(graph.replay, event, cuda.event_elapsed_time, stream.synchronize, iters)
+    x, dy = on_device(layer, x_host, dy_host)
+    out = {"step": ours_timed(opt.step, iters)}
+    out["graph"] = ours_timed(layer.capture(x, dy, optimizer=opt).replay, iters)
     return out
 
 
 def optim_pytorch(spec, x_host, dy_host, iters: int) -> dict:
-    """torch.optim.Adam(fused=True, capturable=True) on PyTorch's Sequential: the step
-    alone, eager, and the whole training step (zero_grad, forward, backward, step) in a
-    CUDA graph, as PyTorch's whole-network capture recipe does it."""
+    """torch.optim.Adam(fused=True, capturable=True) on PyTorch's Sequential: the whole
+    training step (zero_grad, forward, backward, step) in a CUDA graph, as PyTorch's
+    whole-network capture recipe does it, and the step alone, eager."""
     import torch
 
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype.value]
-    layers = [torch.nn.Conv2d(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding)]
-    if spec.normalization.value == "batch_norm":
-        layers.append(torch.nn.BatchNorm2d(spec.out_channels, eps=spec.bn_epsilon, momentum=spec.bn_momentum))
-    layers.append(torch.nn.ReLU())
-    model = torch.nn.Sequential(*layers).cuda().to(dtype=dt, memory_format=torch.channels_last).train()
+    model = torch_sequential(spec).train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True, capturable=True)
-    x = torch.from_numpy(x_host.astype(np.float32)).cuda().to(dt).permute(0, 3, 1, 2)
-    dy = torch.from_numpy(dy_host.astype(np.float32)).cuda().to(dt).permute(0, 3, 1, 2)
-
-    def event():
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
+    x, dy = torch_nchw(x_host, spec), torch_nchw(dy_host, spec)
 
     def train():
         model(x).backward(dy)
         opt.step()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            train()
-    torch.cuda.current_stream().wait_stream(side)
-    out = {"step": timed(opt.step, event, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize, iters)}
-    graph = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
+
+    def warmup():
+        opt.zero_grad(set_to_none=True)
         train()
-    out["graph"] = timed(graph.replay, event, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize, iters)
+        opt.zero_grad(set_to_none=True)  # the capture's backward allocates the gradients in its pool
+    graph = torch_graph(train, warmup)
+    out = {"graph": torch_timed(graph.replay, iters)}  # first: the replays fill the gradients the step reads
+    out["step"] = torch_timed(opt.step, iters)
     return out
 
 
 def acting_ours(spec, x_host, iters: int) -> dict:
     """evaluate at N = 1 and a synchronisation, wall ms per call: eager and captured."""
-    from conv2d import Conv2d
-    from conv2d.cuda.runtime import to_device_bits
-
-    layer = Conv2d(spec, "cuda")
-    layer.init_weights(np.random.default_rng(0))
-    cuda, stream = layer.functions.cuda, layer.functions.stream
-    x = cuda.to_device(to_device_bits(x_host[:1]), stream=stream)
-
-    def event():
-        e = cuda.event()
-        e.record(stream)
-        return e
+    layer, ours_timed = our_layer(spec)
+    x, = on_device(layer, x_host[:1])
+    stream = layer.functions.stream
 
     def act():
         layer.evaluate(x)
         stream.synchronize()
-    out = {"eager": timed(act, event, cuda.event_elapsed_time, stream.synchronize, iters)}
+    out = {"eager": ours_timed(act, iters)}
     graph = layer.capture_evaluate(x)
 
     def replay():
         graph.replay()
         stream.synchronize()
-    out["graph"] = timed(replay, event, cuda.event_elapsed_time, stream.synchronize, iters)
+    out["graph"] = ours_timed(replay, iters)
     return out
 
 
@@ -256,38 +266,20 @@ def acting_pytorch(spec, x_host, iters: int) -> dict:
     eager and replayed as a CUDA graph."""
     import torch
 
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype.value]
-    layers = [torch.nn.Conv2d(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding)]
-    if spec.normalization.value == "batch_norm":
-        layers.append(torch.nn.BatchNorm2d(spec.out_channels, eps=spec.bn_epsilon, momentum=spec.bn_momentum))
-    layers.append(torch.nn.ReLU())
-    model = torch.nn.Sequential(*layers).cuda().to(dtype=dt, memory_format=torch.channels_last).eval()
-    x = torch.from_numpy(x_host[:1].astype(np.float32)).cuda().to(dt).permute(0, 3, 1, 2)
-
-    def event():
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
+    model = torch_sequential(spec).eval()
+    x = torch_nchw(x_host[:1], spec)
 
     def act():
         with torch.no_grad():
             model(x)
         torch.cuda.synchronize()
-    out = {"eager": timed(act, event, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize, iters)}
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(3):
-            model(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        model(x)
+    out = {"eager": torch_timed(act, iters)}
+    graph = torch_graph(lambda: model(x), no_grad=True)
 
     def replay():
         graph.replay()
         torch.cuda.synchronize()
-    out["graph"] = timed(replay, event, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize, iters)
+    out["graph"] = torch_timed(replay, iters)
     return out
 
 
