@@ -227,24 +227,10 @@ class Conv2d:
         writes. Parameters, gradients, running statistics and the optimizer's state
         change with each replay exactly as with an eager step, bitwise."""
         capture = self._cuda_only("capture")
-        if optimizer is not None and list(getattr(optimizer, "layers", ())) != [self]:
-            raise ValueError(f"optimizer: expected a conv2d.optim optimizer over this layer alone, got "
-                             f"{type(optimizer).__name__} over {len(getattr(optimizer, 'layers', ()))} layers")
-
-        def run() -> dict[str, Any]:
-            if optimizer is not None:
-                self.zero_gradient()
-            y = self.forward(x, training=True)
-            d_x = self.backward_full(x, d_y)
-            if optimizer is not None:
-                optimizer.step()
-            return {"y": y, "d_x": d_x}
-
-        def snapshot() -> Callable[[], None]:
-            restores = [self._snapshot()] + ([optimizer.snapshot()] if optimizer is not None else [])
-            return lambda: [restore() for restore in restores] and None
+        check_step_optimizer(optimizer, [self], "this layer alone")
         with self._lock:
-            return capture(run, {"x": x, "d_y": d_y}, snapshot)
+            return capture(training_step(self, x, d_y, optimizer), {"x": x, "d_y": d_y},
+                           step_snapshot(self._snapshot, optimizer))
 
     def capture_evaluate(self, x: Any) -> Any:
         """CUDA backend: capture evaluate(x) as one CUDA graph (see `capture`);
@@ -266,6 +252,39 @@ class Conv2d:
         other.load_state_dict(self.state_dict())
         other.load_grad_dict(self.grad_dict())
         return other
+
+
+def check_step_optimizer(optimizer: Any, layers: list, what: str) -> None:
+    """A captured training step's optimizer must be over exactly `layers` (or absent)."""
+    if optimizer is not None and list(getattr(optimizer, "layers", ())) != layers:
+        raise ValueError(f"optimizer: expected a conv2d.optim optimizer over {what}, got "
+                         f"{type(optimizer).__name__} over {len(getattr(optimizer, 'layers', ()))} layers")
+
+
+def training_step(model: Any, x: Any, d_y: Any, optimizer: Any) -> Callable[[], dict[str, Any]]:
+    """What a capture of `model` (a Conv2d or a Sequential) runs: forward(training=True)
+    and backward_full, with an optimizer the whole step (zero_gradient first, step last)."""
+    def run() -> dict[str, Any]:
+        if optimizer is not None:
+            model.zero_gradient()
+        y = model.forward(x, training=True)
+        d_x = model.backward_full(x, d_y)
+        if optimizer is not None:
+            optimizer.step()
+        return {"y": y, "d_x": d_x}
+    return run
+
+
+def step_snapshot(model_snapshot: Callable[[], Callable[[], None]], optimizer: Any) -> Callable[[], Callable[[], None]]:
+    """The capture's snapshot: the model's, and the optimizer's state with it."""
+    def snapshot() -> Callable[[], None]:
+        restores = [model_snapshot()] + ([optimizer.snapshot()] if optimizer is not None else [])
+
+        def restore() -> None:
+            for r in restores:
+                r()
+        return restore
+    return snapshot
 
 
 def _on_device(a: Any) -> bool:

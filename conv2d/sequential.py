@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from conv2d.layer import Conv2d
+from conv2d.layer import Conv2d, check_step_optimizer, step_snapshot, training_step
 from conv2d.spec import LayerSpec
 
 
@@ -123,9 +123,7 @@ class Sequential:
         replay writes, and every replay changes the state exactly as an eager step."""
         if self.backend != "cuda":
             raise TypeError(f"capture: the {self.backend!r} backend has no CUDA graphs")
-        if optimizer is not None and list(getattr(optimizer, "layers", ())) != self.layers:
-            raise ValueError(f"optimizer: expected a conv2d.optim optimizer over this Sequential's layers, got "
-                             f"{type(optimizer).__name__} over {len(getattr(optimizer, 'layers', ()))} layers")
+        check_step_optimizer(optimizer, self.layers, "this Sequential's layers")
         first = self.layers[0]
         call = first.functions.check_input("x", x)
         followers = []
@@ -134,18 +132,8 @@ class Sequential:
             call = layer.spec.at(n, h, w)
             followers.append((layer.functions, call))
 
-        def run() -> dict[str, Any]:
-            if optimizer is not None:
-                self.zero_gradient()
-            y = self.forward(x, training=True)
-            d_x = self.backward_full(x, d_y)
-            if optimizer is not None:
-                optimizer.step()
-            return {"y": y, "d_x": d_x}
-
         def snapshot() -> Any:
             restores = [layer._snapshot() for layer in self.layers]
-            restores += [optimizer.snapshot()] if optimizer is not None else []
             inputs = self._inputs
 
             def restore() -> None:
@@ -153,7 +141,8 @@ class Sequential:
                     r()
                 self._inputs = inputs
             return restore
-        return first.functions.capture(run, {"x": x, "d_y": d_y}, snapshot, tuple(followers))
+        return first.functions.capture(training_step(self, x, d_y, optimizer), {"x": x, "d_y": d_y},
+                                       step_snapshot(snapshot, optimizer), tuple(followers))
 
     def zero_gradient(self) -> None:
         for layer in self.layers:
