@@ -95,14 +95,15 @@ class _Optimizer:
     @property
     def t(self) -> int:
         """Steps taken (after the steps queued on the GPU, which this waits for)."""
-        return int(self._host(self.layers[0], self._steps[0])[0])
+        return int(self._host(self.layers[0], {"t": self._steps[0]})["t"][0])
 
     @staticmethod
-    def _host(layer: Conv2d, a: Any) -> np.ndarray:
-        if isinstance(a, np.ndarray):
-            return a.copy()
-        layer.functions.current_stream.synchronize()  # the updates before the copy
-        return a.copy_to_host()
+    def _host(layer: Conv2d, arrays: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Host copies of a layer's optimizer arrays, after the updates queued before them."""
+        stream = getattr(layer.functions, "current_stream", None)
+        if stream is not None:
+            stream.synchronize()
+        return {k: a.copy() if isinstance(a, np.ndarray) else a.copy_to_host() for k, a in arrays.items()}
 
     def _buffers(self) -> tuple[str, ...]:
         raise NotImplementedError
@@ -135,8 +136,8 @@ class _Optimizer:
         for i, (layer, per) in enumerate(zip(self.layers, self.state)):
             shapes = {k: v.shape for k, v in layer.state_dict().items()}
             for name, buffers in per.items():
-                for k, v in buffers.items():
-                    arrays[f"{i}.{name}.{k}"] = self._host(layer, v).reshape(shapes[name])  # float32/float64
+                for k, v in self._host(layer, buffers).items():  # float32/float64
+                    arrays[f"{i}.{name}.{k}"] = v.reshape(shapes[name])
         return {"t": self.t, "arrays": arrays}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

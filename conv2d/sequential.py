@@ -42,9 +42,10 @@ class Sequential:
                 raise ValueError(f"layers[{i}]: dtype {b.dtype.value} on {layers[i].backend!r} differs from "
                                  f"layers[0]'s {layers[0].spec.dtype.value} on {layers[0].backend!r}")
         if layers[0].backend == "cuda":
-            first = _stream_key(layers[0])
+            from conv2d.cuda.runtime import same_stream
+
             for i, layer in enumerate(layers[1:], 1):
-                if _stream_key(layer) != first:
+                if not same_stream(layer.functions.stream, layers[0].functions.stream):
                     raise ValueError(f"layers[{i}]: runs on another CUDA stream than layers[0] (each layer's output "
                                      f"is the next one's input, unsynchronised); give every layer the same stream= "
                                      f"or use Sequential.from_specs, which does")
@@ -55,10 +56,7 @@ class Sequential:
     def from_specs(cls, specs: list[LayerSpec], backend: str = "reference", **options: Any) -> "Sequential":
         """Layers of `specs` on `backend` with the backend `options` (on CUDA one stream for
         all: the `stream` option, or a new one)."""
-        if backend == "cuda" and options.get("stream") is None:
-            from conv2d.cuda.runtime import numba_cuda
-
-            options = dict(options, stream=numba_cuda().stream())
+        options = _one_stream(backend, options)
         return cls([Conv2d(spec, backend, **options) for spec in specs])
 
     def __len__(self) -> int:
@@ -191,19 +189,15 @@ class Sequential:
     def to(self, backend: str, **options: Any) -> "Sequential":
         """A copy of the stack, state and gradients, on `backend` (on CUDA one stream for
         all, as `from_specs`)."""
-        if backend == "cuda" and options.get("stream") is None:
-            from conv2d.cuda.runtime import numba_cuda
-
-            options = dict(options, stream=numba_cuda().stream())
+        options = _one_stream(backend, options)
         return Sequential([layer.to(backend, **options) for layer in self.layers])
 
 
-def _stream_key(layer: Conv2d) -> tuple:
-    """What identifies a CUDA layer's own stream: its CUstream handle (numba's simulator
-    has none: the stream object)."""
-    stream = layer.functions.stream
-    if not hasattr(stream, "handle"):
-        return ("object", id(stream))
-    from conv2d.cuda.runtime import stream_handle
+def _one_stream(backend: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The backend options for every layer of a stack: on CUDA with a stream for all (the
+    caller's, or a new one)."""
+    if backend != "cuda" or options.get("stream") is not None:
+        return options
+    from conv2d.cuda.runtime import numba_cuda
 
-    return ("handle", stream_handle(stream))
+    return dict(options, stream=numba_cuda().stream())

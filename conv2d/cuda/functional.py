@@ -42,8 +42,8 @@ from conv2d.cuda import cudnn, kernels as K
 from conv2d.cuda.launch import Launch, device_pointer
 from conv2d.cuda.memory import OutputAllocator
 from conv2d.cuda.runtime import (as_stream, device_dtype, device_input, device_view, from_device_bits, numba_cuda,
-                                 require_gpu, simulating, stream_handle, to_device_bits, torch_current_stream,
-                                 torch_dtype, torch_tensor_over, zero_fill)
+                                 require_gpu, same_stream, simulating, stream_handle, to_device_bits,
+                                 torch_current_stream, torch_dtype, torch_tensor_over, zero_fill)
 from conv2d.dtypes import storage_dtype
 from conv2d.spec import Activation, DType, LayerSpec, Normalization
 from conv2d.state import RUNNING, grad_layout, state_layout
@@ -700,7 +700,7 @@ class Functions:
             device_view(self.cuda, "d_y", inputs["d_y"], self.spec.dtype, out.output_shape)
         held = [(self, call), *followers]
         for fn, _ in held[1:]:
-            if fn.stream is not self.stream and stream_handle(fn.stream) != stream_handle(self.stream):
+            if not same_stream(fn.stream, self.stream):
                 raise ValueError("a captured graph runs on one stream: every layer needs the same stream=")
         with contextlib.ExitStack() as stack:
             for fn, c in held:

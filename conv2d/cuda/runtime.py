@@ -78,6 +78,14 @@ def stream_handle(stream: Any) -> int:
     return int(h)  # cuda.bindings CUstream
 
 
+def same_stream(a: Any, b: Any) -> bool:
+    """Whether two numba streams are one CUDA stream: the same object, or the same CUstream
+    (numba's simulator's streams have no handle: there only the same object)."""
+    if a is b:
+        return True
+    return hasattr(a, "handle") and hasattr(b, "handle") and stream_handle(a) == stream_handle(b)
+
+
 def as_stream(cuda, stream: Any):
     """A numba stream: a new one for None, else the caller's (numba stream, raw handle
     int, or any object with `cuda_stream` (torch) or `ptr` (cupy))."""
