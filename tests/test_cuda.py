@@ -362,8 +362,6 @@ def test_a_captured_training_step_with_adam_replays_bitwise_like_eager_steps(nor
 
 
 def test_a_captured_sequential_training_step_replays_bitwise_like_eager_steps():
-    from numba import cuda
-
     from conv2d import Sequential
     from conv2d.optim import SGD
 
@@ -379,8 +377,8 @@ def test_a_captured_sequential_training_step_replays_bitwise_like_eager_steps():
     st = storage_dtype(specs[0].dtype)
     x = rng.standard_normal((4, 8, 8, 3)).astype(st)
     dy = rng.standard_normal((4, 1, 1, 5)).astype(st)
-    from conv2d.cuda.runtime import to_device_bits
-    xe, dye, xc, dyc = (cuda.to_device(to_device_bits(a)) for a in (x, dy, x, dy))
+    xe, dye = _device_pair(specs[0], x, dy)
+    xc, dyc = _device_pair(specs[0], x, dy)
     graph = models[1].capture(xc, dyc, optimizer=opts[1])
     for _ in range(3):
         models[0].zero_gradient()
