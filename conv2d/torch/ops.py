@@ -6,11 +6,11 @@ and return tensors only, so the forward returns its saved values as tensors (the
 pre-activations, and the norm's mean and inv_std) and the backward takes them back.
 A backend's `Functions` object is named by a string key (`register`); the ops look it up.
 
-The ops hand the functions detached tensors: the CUDA functions keep their last arguments
-(prepared launches), and a tensor with autograd history kept there would keep the last
-step's graph, and the AccumulateGrad nodes of the leaves in it, alive into the next step
-(more memory, and a capture after eager steps on another stream fails on the node's
-stream).
+The ops hand the functions detached tensors, and return y detached from what the
+functions hold: the CUDA functions keep their last arguments and outputs (prepared
+launches), and a tensor with autograd history kept there would keep the last step's
+graph, and the AccumulateGrad nodes of the leaves in it, alive into the next step (more
+memory, and a capture after eager steps on another stream fails on the node's stream).
 """
 
 from __future__ import annotations
@@ -89,7 +89,10 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[T
         pre = to_library(saved.pre.copy(), "torch")
     empty = x.new_empty(0, dtype=torch.float32)
     new = (running["running_mean"], running["running_var"]) if update else (empty, empty.clone())
-    return y, pre, stats[0], stats[1], new[0], new[1]
+    # The op's output becomes the autograd node's output (its grad_fn is set on it), and
+    # the CUDA functions keep y (a prepared launch's argument, or a captured plan's
+    # tensor, the same object every step): hand out an alias that they do not hold.
+    return y.detach(), pre, stats[0], stats[1], new[0], new[1]
 
 
 @forward.register_fake
