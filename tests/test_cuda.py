@@ -184,6 +184,26 @@ def test_torch_tensors_are_used_without_a_copy(dtype):
                                   as_numpy(layer.forward(x), storage_dtype(spec.dtype)))
 
 
+@pytest.mark.parametrize("shape", [(4, 12, 10, 5), (7,)], ids=["4d", "1d"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fast_view_of_a_torch_tensor_is_numbas_public_view(dtype, shape):
+    """runtime.tensor_view builds numba's array directly (private classes); it must be what
+    numba's public from_cuda_array_interface gives, field for field and in the bits read."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from conv2d.cuda.runtime import interface_view, numba_cuda, tensor_view
+
+    cuda = numba_cuda()
+    t = torch_cuda(torch, np.random.default_rng(0).standard_normal(shape), dtype)
+    dt = np.dtype(np.uint16 if dtype == "bfloat16" else np.float32)
+    fast, public = tensor_view(cuda, t, shape, dt), interface_view(cuda, t, shape, dt)
+    torch.cuda.synchronize()
+    for field in ("shape", "strides", "dtype", "size", "alloc_size"):
+        assert getattr(fast, field) == getattr(public, field), field
+    assert fast.__cuda_array_interface__ == public.__cuda_array_interface__
+    assert fast.gpu_data.owner is t and fast.gpu_data.context is public.gpu_data.context
+    np.testing.assert_array_equal(fast.copy_to_host(), public.copy_to_host())
+
+
 def test_cupy_arrays_are_used_without_a_copy():
     cp = pytest.importorskip("cupy", reason="cupy is not installed")
     from conv2d.cuda.runtime import device_input
