@@ -174,13 +174,10 @@ class Conv2dNormActivation(nn.Module):
                 running = {"running_mean": norm.running_mean, "running_var": norm.running_var}
                 if self.training:
                     norm.num_batches_tracked.add_(1)
-        y, _, _, _, new_mean, new_var = torch.ops.conv2d.forward(
-            nhwc, w, self.conv.bias, gamma, beta, running and running["running_mean"],
-            running and running["running_var"], self.training, key)
-        if running is not None and self.training:
-            with torch.no_grad():  # the op is functional: the buffers take its new statistics
-                running["running_mean"].copy_(new_mean)
-                running["running_var"].copy_(new_var)
+        batch_stats = self._spec.normalization is Normalization.LAYER_NORM or (
+            self._spec.normalization is Normalization.BATCH_NORM and self.training)
+        y = ops.Conv2dFunction.apply(nhwc, w, self.conv.bias, gamma, beta, running and running["running_mean"],
+                                     running and running["running_var"], self.training, batch_stats, key)
         return y.permute(0, 3, 1, 2)
 
 

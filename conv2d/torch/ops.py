@@ -1,10 +1,19 @@
-"""The layer as two PyTorch custom ops, `conv2d::forward` and `conv2d::backward`, over a
-backend's functions, with autograd between them: what `Conv2dNormActivation` calls.
+"""The layer as two PyTorch operators, `conv2d::forward` and `conv2d::backward`, over a
+backend's functions, and `Conv2dFunction`, the autograd function between them: what
+`Conv2dNormActivation` calls.
 
-Custom ops are opaque to `torch.compile` (one node of the graph, no graph break) and take
-and return tensors only, so the forward returns its saved values as tensors (the
-pre-activations, and the norm's mean and inv_std) and the backward takes them back.
+The operators are opaque to `torch.compile` (one node each, no graph break) and take and
+return tensors only, so the forward returns its saved values as tensors (the
+pre-activations, and the norm's mean and inv_std) and the backward takes them back. The
+forward updates batch norm's running statistics in place, as PyTorch's BatchNorm2d does
+(its schema declares the two mutated arguments, so compile functionalises them).
 A backend's `Functions` object is named by a string key (`register`); the ops look it up.
+
+They are defined with `torch.library.Library` and autograd lives in a
+`torch.autograd.Function` outside them, rather than `torch.library.custom_op` with
+`register_autograd`: custom_op's wrappers cost host time on every call (PyTorch issues
+139500, 176592), and register_autograd refuses an operator that mutates its arguments,
+which made the running statistics a clone in and a copy out (four more kernels a step).
 
 The ops hand the functions detached tensors, and return y detached from what the
 functions hold: the CUDA functions keep their last arguments and outputs (prepared
@@ -57,21 +66,23 @@ def _params(weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], bet
     return params
 
 
-@torch.library.custom_op("conv2d::forward", mutates_args=())
+_LIB = torch.library.Library("conv2d", "DEF")
+_LIB.define("forward(Tensor x, Tensor weight, Tensor? bias, Tensor? gamma, Tensor? beta, Tensor(a!)? running_mean, "
+            "Tensor(b!)? running_var, bool training, str key) -> (Tensor, Tensor, Tensor, Tensor)")
+_LIB.define("backward(Tensor x, Tensor weight, Tensor? bias, Tensor? gamma, Tensor? beta, Tensor pre, Tensor mean, "
+            "Tensor inv_std, Tensor d_y, bool batch_stats, bool want_input, bool want_params, str key) "
+            "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor],
             running_mean: Optional[Tensor], running_var: Optional[Tensor], training: bool,
-            key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(y, pre-activations, mean, inv_std, new running mean, new running variance) of x
-    (N, H, W, C). The op is functional (autograd needs that): batch norm in training
-    returns the updated running statistics, which the caller copies into its buffers;
-    they are empty otherwise, and mean and inv_std are empty without a norm."""
+            key: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, pre-activations, mean, inv_std) of x (N, H, W, C); mean and inv_std are empty
+    without a norm. Batch norm in training updates running_mean and running_var in place;
+    otherwise it normalises with them."""
     fn = _lookup(key)
     x, weight, bias, gamma, beta = _detached(x, weight, bias, gamma, beta)
-    update = running_mean is not None and training and fn.spec.normalization is Normalization.BATCH_NORM
-    running = None
-    if running_mean is not None:
-        running = {"running_mean": running_mean.clone() if update else running_mean,
-                   "running_var": running_var.clone() if update else running_var}
+    running = None if running_mean is None else {"running_mean": running_mean, "running_var": running_var}
     params = _params(weight, bias, gamma, beta)
     if x.is_cuda:
         call = fn.spec.at(*x.shape[:3])
@@ -87,30 +98,23 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[T
         stats = [torch.from_numpy(a.copy()) if a is not None else torch.empty(0, dtype=torch.float32)
                  for a in (saved.mean, saved.inv_std)]
         pre = to_library(saved.pre.copy(), "torch")
-    empty = x.new_empty(0, dtype=torch.float32)
-    new = (running["running_mean"], running["running_var"]) if update else (empty, empty.clone())
-    # The op's output becomes the autograd node's output (its grad_fn is set on it), and
-    # the CUDA functions keep y (a prepared launch's argument, or a captured plan's
-    # tensor, the same object every step): hand out an alias that they do not hold.
-    return y.detach(), pre, stats[0], stats[1], new[0], new[1]
+    # The CUDA functions keep y (a prepared launch's argument, or a captured plan's tensor,
+    # the same object every step), and autograd sets its grad_fn on the tensor it is
+    # given: hand out an alias that they do not hold.
+    return y.detach(), pre, stats[0], stats[1]
 
 
-@forward.register_fake
-def _(x, weight, bias, gamma, beta, running_mean, running_var, training, key):
+def _forward_fake(x, weight, bias, gamma, beta, running_mean, running_var, training, key):
     fn = _lookup(key)
     call = fn.spec.at(*x.shape[:3])
     groups = _groups(fn, x.shape[0])
     if x.is_cuda:
         groups = max(groups, 1)
     stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    update = running_mean is not None and training and fn.spec.normalization is Normalization.BATCH_NORM
-    new = running_mean.new_empty(running_mean.shape) if update else x.new_empty(0, dtype=torch.float32)
     return (x.new_empty(call.output_shape), x.new_empty(call.output_shape),
-            x.new_empty((groups,), dtype=stats_dtype), x.new_empty((groups,), dtype=stats_dtype), new,
-            new.new_empty(new.shape))
+            x.new_empty((groups,), dtype=stats_dtype), x.new_empty((groups,), dtype=stats_dtype))
 
 
-@torch.library.custom_op("conv2d::backward", mutates_args=())
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor],
              pre: Tensor, mean: Tensor, inv_std: Tensor, d_y: Tensor, batch_stats: bool, want_input: bool,
              want_params: bool, key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -127,35 +131,45 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[
             got(grads.get("beta")))
 
 
-@backward.register_fake
-def _(x, weight, bias, gamma, beta, pre, mean, inv_std, d_y, batch_stats, want_input, want_params, key):
+def _backward_fake(x, weight, bias, gamma, beta, pre, mean, inv_std, d_y, batch_stats, want_input, want_params, key):
     def like(t, wanted):
         return t.new_empty(t.shape) if wanted and t is not None else x.new_empty(0)
     return (like(x, want_input), like(weight, want_params), like(bias, want_params), like(gamma, want_params),
             like(beta, want_params))
 
 
-def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, weight, bias, gamma, beta, running_mean, running_var, training, key = inputs
-    _, pre, mean, inv_std, new_mean, new_var = output
-    ctx.mark_non_differentiable(pre, mean, inv_std, new_mean, new_var)
-    ctx.save_for_backward(x, weight, bias, gamma, beta, pre, mean, inv_std)
-    norm = _lookup(key).spec.normalization
-    ctx.batch_stats = norm is Normalization.LAYER_NORM or (norm is Normalization.BATCH_NORM and training)
-    ctx.key = key
+for _name, _impl, _fake in (("forward", forward, _forward_fake), ("backward", backward, _backward_fake)):
+    for _key in ("CPU", "CUDA"):
+        _LIB.impl(_name, _impl, _key)
+    torch.library.register_fake(f"conv2d::{_name}", _fake, lib=_LIB)
 
 
-def _backward(ctx: Any, d_y: Tensor, *_: Tensor) -> tuple:
-    x, weight, bias, gamma, beta, pre, mean, inv_std = ctx.saved_tensors
-    want_input = ctx.needs_input_grad[0]
-    want_params = any(ctx.needs_input_grad[1:5])
-    # Autograd may hand d_y in another layout; the backends read C-contiguous (NHWC).
-    d_x, d_w, d_b, d_g, d_be = torch.ops.conv2d.backward(x, weight, bias, gamma, beta, pre, mean, inv_std,
-                                                         d_y.contiguous(), ctx.batch_stats, want_input, want_params,
-                                                         ctx.key)
-    return (d_x if want_input else None, d_w if want_params else None,
-            d_b if want_params and bias is not None else None, d_g if want_params and gamma is not None else None,
-            d_be if want_params and beta is not None else None, None, None, None, None)
+class Conv2dFunction(torch.autograd.Function):
+    """y (N, OH, OW, OC) of x (N, H, W, C) with autograd: `conv2d::forward`, and
+    `conv2d::backward` for the gradients of x and of the four parameters. `batch_stats`:
+    whether the norm normalises with the batch's statistics (the caller knows its spec;
+    the key is not looked up here, which torch.compile would have to trace)."""
 
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor],
+                beta: Optional[Tensor], running_mean: Optional[Tensor], running_var: Optional[Tensor],
+                training: bool, batch_stats: bool, key: str) -> Tensor:
+        y, pre, mean, inv_std = torch.ops.conv2d.forward(x, weight, bias, gamma, beta, running_mean, running_var,
+                                                         training, key)
+        ctx.save_for_backward(x, weight, bias, gamma, beta, pre, mean, inv_std)
+        ctx.batch_stats, ctx.key = batch_stats, key
+        return y
 
-torch.library.register_autograd("conv2d::forward", _backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx: Any, d_y: Tensor) -> tuple:
+        x, weight, bias, gamma, beta, pre, mean, inv_std = ctx.saved_tensors
+        want_input = ctx.needs_input_grad[0]
+        want_params = any(ctx.needs_input_grad[1:5])
+        # Autograd may hand d_y in another layout; the backends read C-contiguous (NHWC).
+        d_x, d_w, d_b, d_g, d_be = torch.ops.conv2d.backward(x, weight, bias, gamma, beta, pre, mean, inv_std,
+                                                             d_y.contiguous(), ctx.batch_stats, want_input,
+                                                             want_params, ctx.key)
+        return (d_x if want_input else None, d_w if want_params else None,
+                d_b if want_params and bias is not None else None,
+                d_g if want_params and gamma is not None else None,
+                d_be if want_params and beta is not None else None, None, None, None, None, None)
