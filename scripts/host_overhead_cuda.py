@@ -6,6 +6,7 @@ good for comparing two versions on one machine:
 
     python scripts/host_overhead_cuda.py TAG                       # this checkout
     PYTHONPATH=/tmp/old python scripts/host_overhead_cuda.py old   # another commit's package
+    python scripts/host_overhead_cuda.py TAG evaluate              # acting: evaluate at N = 1
 
 (only the public layer API and `functions.launches` / `_impl._launches` are used).
 """
@@ -45,6 +46,7 @@ def main() -> None:
     from numba import cuda
 
     tag = sys.argv[1] if len(sys.argv) > 1 else "this"
+    acting = len(sys.argv) > 2 and sys.argv[2] == "evaluate"
     for norm in ("none", "batch_norm"):
         spec = LayerSpec(batch_size=1, in_height=16, in_width=16, in_channels=3, out_channels=8, kernel=3,
                          padding=1, activation="relu", normalization=norm, dtype="float32")  # tiny_latency
@@ -54,10 +56,14 @@ def main() -> None:
         dy = cuda.to_device(np.zeros(spec.output_shape, np.float32))
 
         def step():
+            if acting:
+                layer.evaluate(x)
+                return
             layer.forward(x, training=True)
             layer.backward_full(x, dy)
         for _ in range(3):  # every launch prepared (a forward's saved buffers alternate between two sets)
             step()
+            layer.evaluate(x)
         for launch in (layer.functions.launches if functional else layer._impl._launches).values():
             launch.kernel = NoKernel()
         for _ in range(50):
@@ -68,7 +74,7 @@ def main() -> None:
             for _ in range(200):
                 step()
             times.append((time.perf_counter() - t0) / 200 * 1e6)
-        print(f"{tag} | {norm} | {statistics.median(times):.1f} |", flush=True)
+        print(f"{tag} | {'evaluate' if acting else 'step'} | {norm} | {statistics.median(times):.1f} |", flush=True)
 
 
 if __name__ == "__main__":
