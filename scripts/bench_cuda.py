@@ -172,6 +172,15 @@ def ours(spec, x_host, dy_host, iters: int, eager: bool = True, autotune: bool =
     return out
 
 
+def our_module(spec):
+    """conv2d.torch.Conv2dNormActivation of `spec` (ReLU) on the GPU in the spec's dtype, training."""
+    from conv2d.torch import Conv2dNormActivation
+
+    return Conv2dNormActivation(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding,
+                                norm=spec.normalization.value, activation="relu", eps=spec.bn_epsilon,
+                                momentum=spec.bn_momentum, device="cuda").to(torch_dtype(spec)).train()
+
+
 def pytorch(spec, x_host, dy_host, iters: int, eager: bool = True, benchmark: bool = False,
             module: bool = False, tf32: bool = False) -> dict:
     """PyTorch's Sequential step; with `module`, the same step of our
@@ -183,11 +192,7 @@ def pytorch(spec, x_host, dy_host, iters: int, eager: bool = True, benchmark: bo
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cudnn.deterministic = not tf32
     if module:
-        from conv2d.torch import Conv2dNormActivation
-
-        model = Conv2dNormActivation(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding,
-                                     norm=spec.normalization.value, activation="relu", eps=spec.bn_epsilon,
-                                     momentum=spec.bn_momentum, device="cuda").to(torch_dtype(spec)).train()
+        model = our_module(spec)
     else:
         model = torch_sequential(spec).train()
     x = torch_nchw(x_host, spec).requires_grad_(True)

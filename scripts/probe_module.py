@@ -14,28 +14,23 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import SHAPES, bench_spec, inputs  # noqa: E402
+from bench_shapes import inputs, one_spec_arguments, spec_of  # noqa: E402
 from probe_cuda import host_us  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="tiny_latency", choices=sorted(SHAPES))
-    ap.add_argument("--bn", action="store_true")
-    ap.add_argument("--dtype", default="float32")
+    one_spec_arguments(ap)
     ap.add_argument("--n", type=int, default=300)
     args = ap.parse_args()
 
     import torch
 
-    from bench_cuda import torch_dtype, torch_nchw
+    from bench_cuda import our_module, torch_dtype, torch_nchw
     from conv2d.cuda.runtime import device_view
-    from conv2d.torch import Conv2dNormActivation
 
-    spec = bench_spec(args.shape, args.bn, args.dtype)
-    model = Conv2dNormActivation(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding,
-                                 norm=spec.normalization.value, activation="relu", eps=spec.bn_epsilon,
-                                 momentum=spec.bn_momentum, device="cuda").to(torch_dtype(spec)).train()
+    spec = spec_of(args)
+    model = our_module(spec)
     x_host, dy_host = inputs(spec)
     x = torch_nchw(x_host, spec).requires_grad_(True)
     dy = torch_nchw(dy_host, spec)

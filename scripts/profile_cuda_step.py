@@ -17,21 +17,19 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import SHAPES, bench_spec, inputs  # noqa: E402
+from bench_shapes import inputs, one_spec_arguments, spec_of  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="tiny_latency", choices=sorted(SHAPES))
-    ap.add_argument("--bn", action="store_true")
-    ap.add_argument("--dtype", default="float32")
+    one_spec_arguments(ap)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--module", action="store_true", help="conv2d.torch.Conv2dNormActivation in a PyTorch step")
     ap.add_argument("--sort", default="tottime", help="pstats sort key (tottime, cumulative)")
     args = ap.parse_args()
 
-    spec = bench_spec(args.shape, args.bn, args.dtype)
+    spec = spec_of(args)
     steps = module_steps(spec) if args.module else layer_steps(spec)
     steps(5)
     t0 = time.perf_counter()
@@ -67,12 +65,9 @@ def layer_steps(spec):
 def module_steps(spec):
     import torch
 
-    from bench_cuda import torch_dtype, torch_nchw
-    from conv2d.torch import Conv2dNormActivation
+    from bench_cuda import our_module, torch_nchw
 
-    model = Conv2dNormActivation(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding,
-                                 norm=spec.normalization.value, activation="relu", eps=spec.bn_epsilon,
-                                 momentum=spec.bn_momentum, device="cuda").to(torch_dtype(spec)).train()
+    model = our_module(spec)
     x_host, dy_host = inputs(spec)
     x = torch_nchw(x_host, spec).requires_grad_(True)
     dy = torch_nchw(dy_host, spec)
