@@ -37,6 +37,7 @@ import numpy as np
 
 from conv2d.dtypes import compute_dtype, storage_dtype
 from conv2d.layer import Conv2d
+from conv2d.state import state_layout
 
 ADAM_PRESETS = {
     "tensorflow": dict(rule="rl_tools", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-7, eps_sqrt=1e-7),
@@ -129,15 +130,22 @@ class _Optimizer:
         state = self.state_dict()
         return lambda: self.load_state_dict(state)
 
+    def _layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """"<layer>.<parameter>.<buffer>" -> (shape, dtype) of every buffer (the parameter's
+        shape; the buffer's own dtype, float32 or float64), without reading any."""
+        return {f"{i}.{name}.{k}": (state_layout(layer.spec)[name][0], np.dtype(a.dtype))
+                for i, (layer, per) in enumerate(zip(self.layers, self.state))
+                for name, buffers in per.items() for k, a in buffers.items()}
+
     def state_dict(self) -> dict[str, Any]:
         """The step count and every buffer as NumPy copies, keyed "<layer>.<parameter>.<buffer>"
         ("m", "v" for Adam, "buf" for SGD with momentum, "master" for 16-bit parameters)."""
-        arrays = {}
+        layout, arrays = self._layout(), {}
         for i, (layer, per) in enumerate(zip(self.layers, self.state)):
-            shapes = {k: v.shape for k, v in layer.state_dict().items()}
             for name, buffers in per.items():
-                for k, v in self._host(layer, buffers).items():  # float32/float64
-                    arrays[f"{i}.{name}.{k}"] = v.reshape(shapes[name])
+                for k, v in self._host(layer, buffers).items():
+                    key = f"{i}.{name}.{k}"
+                    arrays[key] = v.reshape(layout[key][0])
         return {"t": self.t, "arrays": arrays}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -148,15 +156,15 @@ class _Optimizer:
         t = state["t"]
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             raise ValueError(f"state['t']: expected an int >= 0, got {t!r}")
-        mine = self.state_dict()["arrays"]
+        mine = self._layout()
         arrays = state["arrays"]
         if not isinstance(arrays, dict) or set(arrays) != set(mine):
             raise KeyError(f"state['arrays']: expected keys {sorted(mine)}, got "
                            f"{sorted(map(str, arrays)) if isinstance(arrays, dict) else type(arrays).__name__}")
-        for k, want in mine.items():
+        for k, (shape, dtype) in mine.items():
             a = arrays[k]
-            if not isinstance(a, np.ndarray) or a.shape != want.shape or a.dtype != want.dtype:
-                raise ValueError(f"state['arrays'][{k!r}]: expected a {want.dtype} array of shape {want.shape}, got "
+            if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != dtype:
+                raise ValueError(f"state['arrays'][{k!r}]: expected a {dtype} array of shape {shape}, got "
                                  f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
         for i, (layer, per, step) in enumerate(zip(self.layers, self.state, self._steps)):
             for name, buffers in per.items():
