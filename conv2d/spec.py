@@ -199,6 +199,12 @@ class LayerSpec:
             return self
         return _at(self, batch_size, h, w)
 
+    def batch_statistics(self, training: bool) -> bool:
+        """Whether the norm normalises with statistics of the values it is given: layer norm
+        always, batch norm in training (else with its running ones); False without a norm."""
+        return self.normalization is Normalization.LAYER_NORM or (
+            self.normalization is Normalization.BATCH_NORM and training)
+
     def running_var_scale(self, count: int) -> float:
         """The factor of the biased batch variance over `count` values that the running
         variance averages: 1, or count / (count - 1) for the unbiased rule."""

@@ -89,7 +89,7 @@ def _statistics(spec: LayerSpec, z: np.ndarray, training: bool,
                 running: dict | None) -> tuple[np.ndarray, np.ndarray, bool]:
     """(mean, inv_std, from_batch) of the norm; a training batch norm updates `running` in place."""
     axes = _axes(spec)
-    if spec.normalization is Normalization.LAYER_NORM or training:
+    if spec.batch_statistics(training):
         mean, var = norm.statistics(z, axes)
         if spec.normalization is Normalization.BATCH_NORM and running is not None:
             count = z.size // z.shape[-1]

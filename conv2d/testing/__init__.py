@@ -36,9 +36,7 @@ def cancellation_scales(spec: LayerSpec, training: bool, x: np.ndarray,
     """
     from conv2d.reference.conv import conv_backward_filter
 
-    batch_stats = spec.normalization is Normalization.LAYER_NORM or (
-        spec.normalization is Normalization.BATCH_NORM and training)
-    if not batch_stats:
+    if not spec.batch_statistics(training):
         return {}
     d_abs = np.abs(np.asarray(d_pre, dtype=np.float64))
     x_abs = np.abs(np.asarray(x).astype(np.float64))

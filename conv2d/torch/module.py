@@ -174,10 +174,9 @@ class Conv2dNormActivation(nn.Module):
                 running = {"running_mean": norm.running_mean, "running_var": norm.running_var}
                 if self.training:
                     norm.num_batches_tracked.add_(1)
-        batch_stats = self._spec.normalization is Normalization.LAYER_NORM or (
-            self._spec.normalization is Normalization.BATCH_NORM and self.training)
         y = ops.Conv2dFunction.apply(nhwc, w, self.conv.bias, gamma, beta, running and running["running_mean"],
-                                     running and running["running_var"], self.training, batch_stats, key)
+                                     running and running["running_var"], self.training,
+                                     self._spec.batch_statistics(self.training), key)
         return y.permute(0, 3, 1, 2)
 
 
