@@ -275,15 +275,18 @@ def training_step(model: Any, x: Any, d_y: Any, optimizer: Any) -> Callable[[], 
     return run
 
 
+def restoring(restores: list[Callable[[], None]]) -> Callable[[], None]:
+    """One restore that runs `restores` in order."""
+    def restore() -> None:
+        for r in restores:
+            r()
+    return restore
+
+
 def step_snapshot(model_snapshot: Callable[[], Callable[[], None]], optimizer: Any) -> Callable[[], Callable[[], None]]:
     """The capture's snapshot: the model's, and the optimizer's state with it."""
     def snapshot() -> Callable[[], None]:
-        restores = [model_snapshot()] + ([optimizer.snapshot()] if optimizer is not None else [])
-
-        def restore() -> None:
-            for r in restores:
-                r()
-        return restore
+        return restoring([model_snapshot()] + ([optimizer.snapshot()] if optimizer is not None else []))
     return snapshot
 
 

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from conv2d.layer import Conv2d, check_step_optimizer, step_snapshot, training_step
+from conv2d.layer import Conv2d, check_step_optimizer, restoring, step_snapshot, training_step
 from conv2d.spec import LayerSpec
 
 
@@ -129,18 +129,14 @@ class Sequential:
             n, h, w, _ = call.output_shape
             call = layer.spec.at(n, h, w)
             followers.append((layer.functions, call))
-
-        def snapshot() -> Any:
-            restores = [layer._snapshot() for layer in self.layers]
-            inputs = self._inputs
-
-            def restore() -> None:
-                for r in restores:
-                    r()
-                self._inputs = inputs
-            return restore
         return first.functions.capture(training_step(self, x, d_y, optimizer), {"x": x, "d_y": d_y},
-                                       step_snapshot(snapshot, optimizer), tuple(followers))
+                                       step_snapshot(self._snapshot, optimizer), tuple(followers))
+
+    def _snapshot(self) -> Any:
+        """A function that puts every layer's state, and the inputs the stack keeps, back
+        as they are now (Conv2d._snapshot for the stack)."""
+        inputs = self._inputs
+        return restoring([layer._snapshot() for layer in self.layers] + [lambda: setattr(self, "_inputs", inputs)])
 
     def zero_gradient(self) -> None:
         for layer in self.layers:
