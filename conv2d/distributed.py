@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from conv2d.layer import Conv2d
+from conv2d.layer import Conv2d, synchronize
 
 
 def init(backend: str = "gloo", rank: int | None = None, world_size: int | None = None,
@@ -97,9 +97,7 @@ class DataParallel:
     def _synchronize(self) -> None:
         # The layers' work (on their streams) before torch's collectives (on torch's).
         for layer in self.layers:
-            stream = getattr(layer.functions, "current_stream", None)
-            if stream is not None:
-                stream.synchronize()
+            synchronize(layer)
 
     def broadcast_parameters(self, src: int = 0) -> None:
         """Every layer's state (parameters and running statistics) from rank `src`."""

@@ -254,6 +254,14 @@ class Conv2d:
         return other
 
 
+def synchronize(layer: "Conv2d") -> None:
+    """Wait for the work queued on the layer's current stream (nothing to wait for on the
+    reference backend): before the host reads its arrays or another stream uses them."""
+    stream = getattr(layer.functions, "current_stream", None)
+    if stream is not None:
+        stream.synchronize()
+
+
 def check_step_optimizer(optimizer: Any, layers: list, what: str) -> None:
     """A captured training step's optimizer must be over exactly `layers` (or absent)."""
     if optimizer is not None and list(getattr(optimizer, "layers", ())) != layers:

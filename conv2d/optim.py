@@ -36,7 +36,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from conv2d.dtypes import compute_dtype, storage_dtype
-from conv2d.layer import Conv2d
+from conv2d.layer import Conv2d, synchronize
 from conv2d.state import state_layout
 
 ADAM_PRESETS = {
@@ -101,9 +101,7 @@ class _Optimizer:
     @staticmethod
     def _host(layer: Conv2d, arrays: dict[str, Any]) -> dict[str, np.ndarray]:
         """Host copies of a layer's optimizer arrays, after the updates queued before them."""
-        stream = getattr(layer.functions, "current_stream", None)
-        if stream is not None:
-            stream.synchronize()
+        synchronize(layer)
         return {k: a.copy() if isinstance(a, np.ndarray) else a.copy_to_host() for k, a in arrays.items()}
 
     def _buffers(self) -> tuple[str, ...]:
