@@ -543,7 +543,9 @@ class Functions:
                                "(a frozen layer keeps one forward's, in fixed buffers); call forward again")
 
     def _gradients(self, accumulate: Mapping[str, Any] | None, lib: str, like: Any) -> tuple[dict, Any]:
-        """(flat device gradient arrays the kernels add into, what the caller gets)."""
+        """(flat device gradient arrays the kernels add into, what the caller gets). Fresh
+        gradients start at zero, except the weights', which cuDNN's backward-filter
+        writes whole (a memset a step less)."""
         names = self._param_names
         if accumulate is not None:
             return self._arrays("accumulate", accumulate, names), accumulate
@@ -551,17 +553,20 @@ class Functions:
         views, out = {}, {}
         for k in names:
             shape, dt = layout[k]
+            zeroed = k != "weights"
             if lib == TORCH:
                 import torch
 
-                t = torch.zeros(shape, dtype=torch_dtype(self.spec.dtype) if dt == self.st else torch.float32,
-                                device=like.device)
+                make = torch.zeros if zeroed else torch.empty
+                t = make(shape, dtype=torch_dtype(self.spec.dtype) if dt == self.st else torch.float32,
+                         device=like.device)
                 views[k], out[k] = device_view(self.cuda, k, t, self.spec.dtype if dt == self.st else DType.FLOAT32,
                                                flat=True), t
             else:
                 a = self.cuda.device_array(math.prod(shape), self.dev_dt if dt == self.st else dt,
                                            stream=self._current)
-                zero_fill(self.cuda, a, self._current)
+                if zeroed:
+                    zero_fill(self.cuda, a, self._current)
                 views[k] = a
                 out[k] = a.reshape(shape)
         return views, out
