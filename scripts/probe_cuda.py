@@ -84,7 +84,7 @@ def main() -> None:
         return dict(z=z, d_y=z, out=out, mean=stats[0], inv_std=stats[1], gamma=stats[2], beta=stats[3], sums=d,
                     batch_stats=False, count=np.float32(1), epsilon=np.float32(0), momentum=np.float32(0),
                     var_scale=np.float32(1), M=plan.M, C=c, S=plan.S, out0=plan.col[0], out1=plan.col[1],
-                    counter=counter, acc0=d, acc1=d, accumulate=False)
+                    counter=counter, acc0=d, acc1=d, accumulate=K.ACC_NONE)
     launch = Launch(kernel, plan.P, K.ROW_THREADS, stream, kernel_args(y2))
     print(f"1. launch: numba dispatcher "
           f"{host_us(lambda: kernel[plan.P, K.ROW_THREADS, stream](*kernel_args(y1).values()), sync):.1f} us, "

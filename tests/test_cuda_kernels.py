@@ -185,3 +185,30 @@ def test_a_d_y_off_eight_byte_alignment_gives_the_same_bits(dtype):
     np.testing.assert_array_equal(results[0][0], results[1][0])
     for k, g in results[0][1].items():
         np.testing.assert_array_equal(results[1][1][k], g, err_msg=k)
+
+
+@pytest.mark.parametrize("norm", ["none", "batch_norm", "layer_norm"])
+def test_fresh_gradients_are_written_whole_not_added_to_unzeroed_memory(monkeypatch, norm):
+    """Fresh gradients come from memory that is not zeroed first (the row kernels write the
+    bias, gamma and beta gradients, cuDNN the weights'): with every new device array
+    filled with NaN, they still equal the reference's."""
+    spec = LayerSpec(batch_size=2, in_height=5, in_width=4, in_channels=2, out_channels=3, kernel=3, padding=1,
+                     activation="tanh", normalization=norm, dtype="float32")
+    ours, ref = cuda_layer(spec), make_layer(spec, backend="reference")
+    real = cuda.device_array
+
+    def nan_filled(shape, dtype=np.float32, *args, **kwargs):
+        a = real(shape, dtype, *args, **kwargs)
+        if np.dtype(dtype).kind == "f":
+            a.copy_to_device(np.full(a.shape, np.nan, dtype))
+        return a
+    monkeypatch.setattr(cuda, "device_array", nan_filled)
+    x, dy = random_inputs(spec)
+    params = ours.parameters()
+    _, saved = ours.functions.forward(params, x, True)
+    grads, _ = ours.functions.backward(params, saved, dy)
+    ref_params = {k: v for k, v in ref.state_dict().items() if not k.startswith("running_")}
+    _, ref_saved = ref.functions.forward(ref_params, x, True)
+    want, _ = ref.functions.backward(ref_params, ref_saved, dy)
+    for k, g in want.items():
+        np.testing.assert_allclose(as_numpy(grads[k]), g, rtol=1e-4, atol=1e-4, err_msg=k)

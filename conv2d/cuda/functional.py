@@ -381,7 +381,7 @@ class Functions:
                         count=np.float32(1.0), epsilon=np.float32(s.bn_epsilon),
                         momentum=np.float32(s.bn_momentum), var_scale=np.float32(1.0), M=plan.M, C=plan.C,
                         S=plan.S, out0=plan.col[0], out1=plan.col[1], counter=counter, acc0=d, acc1=d,
-                        accumulate=False)
+                        accumulate=K.ACC_NONE)
             full.update({k: (np.float32(v) if k in ("count", "var_scale") else v) for k, v in args.items()})
             kernel = (self._narrow if narrow else self.k).rows[kind]
             plan.launches[(key, narrow)] = Launch(kernel, plan.P, K.ROW_THREADS, self._current, full)
@@ -430,7 +430,7 @@ class Functions:
             self._rows(plan, ("stats", keep, update), K.SUM_STATS, z=z, mean=mean, inv_std=inv_std, count=plan.M,
                        var_scale=s.running_var_scale(plan.M) if update else 1.0,
                        acc0=r["running_mean"] if update else d, acc1=r["running_var"] if update else d,
-                       accumulate=update)
+                       accumulate=K.ACC_ADD if update else K.ACC_NONE)
             return True
         n = plan.spec.batch_size
         self._launch(plan, ("seg_stats", keep), self.k.segment_partials[K.SUM_STATS], (n, plan.Q), K.SEG_THREADS,
@@ -543,9 +543,9 @@ class Functions:
                                "(a frozen layer keeps one forward's, in fixed buffers); call forward again")
 
     def _gradients(self, accumulate: Mapping[str, Any] | None, lib: str, like: Any) -> tuple[dict, Any]:
-        """(flat device gradient arrays the kernels add into, what the caller gets). Fresh
-        gradients start at zero, except the weights', which cuDNN's backward-filter
-        writes whole (a memset a step less)."""
+        """(flat device gradient arrays the kernels write or add into, what the caller
+        gets). Fresh gradients are not zeroed: cuDNN's backward-filter writes the weights'
+        whole and the row kernels write the others (ACC_WRITE), four memsets a step less."""
         names = self._param_names
         if accumulate is not None:
             return self._arrays("accumulate", accumulate, names), accumulate
@@ -553,20 +553,16 @@ class Functions:
         views, out = {}, {}
         for k in names:
             shape, dt = layout[k]
-            zeroed = k != "weights"
             if lib == TORCH:
                 import torch
 
-                make = torch.zeros if zeroed else torch.empty
-                t = make(shape, dtype=torch_dtype(self.spec.dtype) if dt == self.st else torch.float32,
+                t = torch.empty(shape, dtype=torch_dtype(self.spec.dtype) if dt == self.st else torch.float32,
                          device=like.device)
                 views[k], out[k] = device_view(self.cuda, k, t, self.spec.dtype if dt == self.st else DType.FLOAT32,
                                                flat=True), t
             else:
                 a = self.cuda.device_array(math.prod(shape), self.dev_dt if dt == self.st else dt,
                                            stream=self._current)
-                if zeroed:
-                    zero_fill(self.cuda, a, self._current)
                 views[k] = a
                 out[k] = a.reshape(shape)
         return views, out
@@ -595,12 +591,14 @@ class Functions:
             sums, count = d, 1.0
             narrow = self.lanes > 1 and device_pointer(d_y_dev) % 8 != 0
             batch_stats = saved.batch_stats
+            # Parameter gradients: added into the caller's `accumulate`, or written fresh.
+            acc = (K.ACC_ADD if accumulate is not None else K.ACC_WRITE) if want_params else K.ACC_NONE
             if norm is not Normalization.NONE:
                 # Per channel: sum d_a and sum d_a * x_hat, the beta and gamma gradients, and
                 # for batch norm with batch statistics also what its backward needs.
-                self._rows(plan, ("grads", want_params, saved.slot), K.SUM_GRADS, narrow, z=saved.pre, d_y=d_y_dev,
+                self._rows(plan, ("grads", acc, saved.slot), K.SUM_GRADS, narrow, z=saved.pre, d_y=d_y_dev,
                            out=plan.d_z, mean=mean, inv_std=inv_std, **self._norm(p), sums=plan.sums_col,
-                           acc0=g.get("beta", d), acc1=g.get("gamma", d), accumulate=want_params)
+                           acc0=g.get("beta", d), acc1=g.get("gamma", d), accumulate=acc)
                 if norm is Normalization.LAYER_NORM:
                     n = call.batch_size
                     self._launch(plan, ("seg_grads", saved.slot), self.k.segment_partials[K.SUM_GRADS], (n, plan.Q),
@@ -613,10 +611,10 @@ class Functions:
                     sums, count = plan.sums_col, plan.M
             # d_z through the activation and the norm, and in the same pass its per-channel
             # sums: the bias gradient.
-            bias_grad = want_params and self.spec.bias
-            self._rows(plan, ("dz", batch_stats, bias_grad, saved.slot), K.WRITE_DZ, narrow, z=saved.pre,
+            bias_acc = acc if self.spec.bias else K.ACC_NONE
+            self._rows(plan, ("dz", batch_stats, bias_acc, saved.slot), K.WRITE_DZ, narrow, z=saved.pre,
                        d_y=d_y_dev, out=plan.d_z, mean=mean, inv_std=inv_std, **self._norm(p), sums=sums,
-                       batch_stats=batch_stats, count=count, acc0=g.get("bias", d), accumulate=bias_grad)
+                       batch_stats=batch_stats, count=count, acc0=g.get("bias", d), accumulate=bias_acc)
             d_x = None
             if want_input:
                 d_x_dev, d_x = self._output(plan, "d_x", call.input_shape, lib, d_y)

@@ -79,6 +79,10 @@ WARP = 32
 # gradient), or write y = act(norm(z)).
 NORM_NONE, NORM_BATCH, NORM_LAYER = 0, 1, 2
 SUM_STATS, SUM_GRADS, WRITE_DZ, WRITE_Y = 0, 1, 2, 3
+# What a row kernel does with the totals it hands on (acc0, acc1): nothing, add them
+# (+=: running statistics, accumulated gradients) or write them (fresh gradients, which
+# then need no zeroing first: the same bits as adding to zero).
+ACC_NONE, ACC_ADD, ACC_WRITE = 0, 1, 2
 NORM_MODE = {Normalization.NONE: NORM_NONE, Normalization.BATCH_NORM: NORM_BATCH,
              Normalization.LAYER_NORM: NORM_LAYER}
 
@@ -616,17 +620,22 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
             mu = load(z, g) + m1
             mean[g] = mu
             inv_std[g] = ONE / math.sqrt(var + epsilon)
-            if accumulate:  # the running statistics
+            if accumulate == ACC_ADD:  # the running statistics
                 acc0[g] = (ONE - momentum) * acc0[g] + momentum * mu
                 acc1[g] = (ONE - momentum) * acc1[g] + momentum * (var * var_scale)
         elif kind == SUM_GRADS:
             sums[g] = t0
             sums[C + g] = t1
-            if accumulate:  # d_beta, d_gamma
+            if accumulate == ACC_ADD:  # d_beta, d_gamma
                 acc0[g] += t0
                 acc1[g] += t1
-        elif accumulate:  # WRITE_DZ: d_b, in the storage format
+            elif accumulate == ACC_WRITE:
+                acc0[g] = t0 + ZERO  # + 0: -0.0 becomes +0.0, as 0 + t0 would
+                acc1[g] = t1 + ZERO
+        elif accumulate == ACC_ADD:  # WRITE_DZ: d_b, in the storage format
             store(acc0, g, load(acc0, g) + t0)
+        elif accumulate == ACC_WRITE:
+            store(acc0, g, t0 + ZERO)
 
     def make_rows(kind):
         @cuda.jit(**row_jit_options())
