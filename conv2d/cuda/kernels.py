@@ -326,7 +326,7 @@ def _sigmoid(x):
     return ONE / (ONE + math.exp(-x))
 
 
-def _activation(act: Activation):
+def activation_functions(act: Activation):
     """(f, f') device functions; f' is taken at the activation's input."""
     if act is Activation.IDENTITY:
         def f(x): return x
@@ -438,7 +438,7 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         @cuda.jit(device=True, inline=True)
         def flush(out, i, packed):
             pass
-    act_f, act_d = _activation(activation)
+    act_f, act_d = activation_functions(activation)
     mode = NORM_MODE[normalization]
 
     @cuda.jit(device=True, inline=True)
