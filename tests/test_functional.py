@@ -417,3 +417,26 @@ def test_a_backward_from_saved_values_the_caller_kept_equals_the_usual_one(backe
     np.testing.assert_array_equal(as_numpy(d_x, st), as_numpy(d_x2, st))
     for k in grads2:
         np.testing.assert_array_equal(as_numpy(grads[k]), as_numpy(grads2[k]), err_msg=k)
+
+
+def test_the_bias_gradient_sums_d_z_as_stored_in_the_storage_dtype():
+    """The reference sums d_z rounded to the storage dtype for the bias gradient, as the GPU
+    sums the d_z it stores for cuDNN; the sum of the unrounded d_z differs in some
+    channels here, so the test tells the two apart."""
+    from conv2d.reference.functional import grad_pre_activations
+
+    spec = LayerSpec(batch_size=16, in_height=12, in_width=12, in_channels=3, out_channels=16, kernel=3, padding=1,
+                     activation="tanh", normalization="batch_norm", dtype="bfloat16")
+    layer = make_layer(spec)
+    x, dy = random_inputs(spec)
+    params = {k: v for k, v in layer.state_dict().items() if k not in RUNNING}
+    _, saved = layer.functions.forward(params, x, True)
+    grads, _ = layer.functions.backward(params, saved, dy)
+    d_z, _ = grad_pre_activations(params, saved, dy)
+    st = storage_dtype(spec.dtype)
+
+    def bias_of(d):
+        return d.reshape(-1, spec.out_channels).sum(axis=0).astype(st)
+    rounded, unrounded = bias_of(d_z.astype(st).astype(np.float32)), bias_of(d_z)
+    assert (rounded != unrounded).any()
+    np.testing.assert_array_equal(grads["bias"], rounded)

@@ -5,9 +5,11 @@ to a spec with the memory operations a layer needs (the CUDA backend's
 
 Every computation runs in the compute dtype (float64 for the float64 policy, float32
 otherwise) and is rounded to the storage dtype exactly where the GPU stores a tensor:
-pre-activations, outputs, d_z before it feeds the convolution gradients, d_x, each new
-weight gradient, and accumulated gradients. Batch statistics: mean, then the mean squared
-deviation from it (two passes over z).
+pre-activations, outputs, d_z before it feeds the convolution gradients and the bias
+gradient, d_x, each new weight gradient, and accumulated gradients. Batch statistics:
+mean, then the mean squared deviation from it (two passes over z, as the CUDA backend's
+simple kernels; its fast kernels take one pass of sums shifted by the group's first
+value, which agrees within the tolerance).
 
 Arrays: `x` (N, H, W, C) and `d_y` (N, OH, OW, OC), C-contiguous, in the storage dtype,
 NumPy arrays or torch CPU tensors (outputs come back in the input's library). `params`:
@@ -180,7 +182,8 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
     if want_params and accumulate is not None:
         acc, _ = check_params(spec, {k: accumulate.get(k) for k in grad_layout(spec)}, None, False)
     d_z, norm_grads = grad_pre_activations(params, saved, d_y)
-    # The convolution gradients read d_z as stored (rounded to the storage dtype).
+    # The convolution gradients and the bias gradient read d_z as stored (rounded to the
+    # storage dtype), as the GPU, which sums the d_z it stored for cuDNN.
     d_z_stored = d_z.astype(st, copy=False).astype(ct, copy=False)
     d_x = None
     if want_input:
@@ -191,7 +194,7 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
         return None, d_x
     new = dict(norm_grads)
     if spec.bias:
-        new["bias"] = conv.bias_backward(d_z)
+        new["bias"] = conv.bias_backward(d_z_stored)
     d_w = conv.conv_backward_filter(saved.x.astype(ct, copy=False), d_z_stored, call.kernel, call.stride,
                                     call.padding)
     new["weights"] = d_w.astype(st, copy=False).astype(ct, copy=False)  # stored, as cuDNN writes it

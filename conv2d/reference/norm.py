@@ -20,7 +20,10 @@ def expand(stat: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
 
 
 def statistics(z: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and biased variance over `axes`, two passes (mean, then mean squared deviation)."""
+    """Mean and biased variance over `axes`, two passes (mean, then mean squared deviation).
+    The CUDA backend's simple kernels do the same; its fast kernels sum z - shift and
+    (z - shift)^2 in one pass, shift = the group's first value (mean = shift + mean of
+    the shifted values, var = their mean square minus its square), within the tolerance."""
     mean = z.mean(axis=axes)
     dev = z - expand(mean, axes)
     dev *= dev
