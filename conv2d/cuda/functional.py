@@ -420,7 +420,7 @@ class Functions:
         mean, inv_std = stats
         if norm is Normalization.NONE:
             return False
-        eps, mom = np.float32(s.bn_epsilon), np.float32(s.bn_momentum)
+        eps = np.float32(s.bn_epsilon)
         if norm is Normalization.BATCH_NORM and not training:
             self._launch(plan, ("running", keep), self.k.running_stats, *K.small_grid(plan.C), {"epsilon": eps},
                          running_mean=r["running_mean"], running_var=r["running_var"], mean=mean, inv_std=inv_std)
@@ -438,8 +438,7 @@ class Functions:
                      z=z, d_y=z, **self._norm(p))
         self._launch(plan, ("seg_stats_final", keep), self.k.stats_final, n, K.WARP,
                      {"p0": plan.seg[0], "p1": plan.seg[1], "P": plan.Q, "G": n, "S": plan.S,
-                      "count": np.float32(plan.S), "epsilon": eps, "momentum": mom, "running_mean": d,
-                      "running_var": d, "update": False},
+                      "count": np.float32(plan.S), "epsilon": eps},
                      z=z, mean=mean, inv_std=inv_std)
         return True
 

@@ -371,7 +371,7 @@ class KernelSet:
     rows: dict  # SUM_STATS, SUM_GRADS, WRITE_DZ, WRITE_Y -> row kernel (phase two included)
     segment_partials: dict  # SUM_STATS, SUM_GRADS -> kernel
     partials_final: object  # phase two of a segment reduction: the totals
-    stats_final: object  # phase two of the segment statistics: mean, inv_std
+    stats_final: object  # phase two of layer norm's segment statistics: mean, inv_std
     running_stats: object
     accumulate_stored: object  # grad += new, elementwise, both in the storage format
 
@@ -833,26 +833,20 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
     segment_partials = {k: make_segment_partials(k) for k in (SUM_STATS, SUM_GRADS)}
 
     @cuda.jit
-    def stats_final(p0, p1, P, G, z, S, count, epsilon, momentum, mean, inv_std, running_mean, running_var,
-                    update):
-        """Phase two of the statistics (one warp per group g): the shifted totals
-        t0 = sum(z - shift), t1 = sum((z - shift)^2), shift = the group's first value, give
-        mean and inv_std; with `update`, running = (1 - momentum) * running + momentum *
-        batch statistic."""
+    def stats_final(p0, p1, P, G, z, S, count, epsilon, mean, inv_std):
+        """Phase two of layer norm's statistics (one warp per sample g): the shifted
+        totals t0 = sum(z - shift), t1 = sum((z - shift)^2), shift = the sample's first
+        value, give mean and inv_std."""
         sh = cuda.shared.array(WARP, dtype=np.float32)
         g = cuda.blockIdx.x
         lane = cuda.threadIdx.x
         t0, t1 = warp_sums(p0, p1, P, G, g, sh, lane)
         if lane == 0:
-            shift = load(z, g) if mode == NORM_BATCH else load(z, g * S)
+            shift = load(z, g * S)
             m1 = t0 / count
             var = max(t1 / count - m1 * m1, ZERO)
-            mu = shift + m1
-            mean[g] = mu
+            mean[g] = shift + m1
             inv_std[g] = ONE / math.sqrt(var + epsilon)
-            if update:
-                running_mean[g] = (ONE - momentum) * running_mean[g] + momentum * mu
-                running_var[g] = (ONE - momentum) * running_var[g] + momentum * var
 
     @cuda.jit
     def running_stats(running_mean, running_var, epsilon, mean, inv_std):
