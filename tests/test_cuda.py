@@ -443,6 +443,34 @@ def test_eager_launches_go_straight_to_the_driver():
         [k for k, launch in launches.items() if not launch.prepared]
 
 
+@pytest.mark.parametrize("act, norm, dtype", [("gelu", "batch_norm", "bfloat16"), ("tanh", "layer_norm", "float32"),
+                                             ("relu", "none", "float32")])
+def test_the_public_paths_give_the_bits_of_the_fast_paths(act, norm, dtype):
+    """fast_paths=False launches through numba's dispatcher and executes cuDNN through the
+    frontend's public execute: forward, backward, gradients, running statistics and an
+    Adam step come out bitwise as with the private fast paths."""
+    from conv2d.optim import Adam
+
+    spec = spec_for(act, norm, dtype)
+    x, dy = random_inputs(spec)
+    results = {}
+    for fast in (True, False):
+        layer = make_layer(spec, backend="cuda", fast_paths=fast)
+        y, dx, grads, state = step(layer, x, dy)
+        Adam(layer, preset="torch").step()
+        launches = layer.functions.launches.values()
+        assert all(launch.prepared == fast for launch in launches), fast
+        results[fast] = (y, dx, grads, state, layer.state_dict())
+    (y, dx, grads, state, after), (y2, dx2, grads2, state2, after2) = results[True], results[False]
+    np.testing.assert_array_equal(y, y2)
+    np.testing.assert_array_equal(dx, dx2)
+    for k in grads:
+        np.testing.assert_array_equal(grads[k], grads2[k], err_msg=k)
+    for k in state:
+        np.testing.assert_array_equal(state[k], state2[k], err_msg=k)
+        np.testing.assert_array_equal(after[k], after2[k], err_msg=f"{k} after Adam")
+
+
 @pytest.mark.parametrize("norm", NORMS)
 def test_eager_outputs_are_fresh_arrays_each_call(norm):
     from conv2d.cuda.launch import device_pointer

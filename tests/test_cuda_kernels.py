@@ -212,3 +212,21 @@ def test_fresh_gradients_are_written_whole_not_added_to_unzeroed_memory(monkeypa
     want, _ = ref.functions.backward(ref_params, ref_saved, dy)
     for k, g in want.items():
         np.testing.assert_allclose(as_numpy(grads[k]), g, rtol=1e-4, atol=1e-4, err_msg=k)
+
+
+def test_fast_paths_must_be_a_bool():
+    spec = LayerSpec(batch_size=2, in_height=4, in_width=4, in_channels=2, out_channels=3, kernel=3)
+    with pytest.raises(TypeError, match="^fast_paths: expected a bool, got 'no'"):
+        Conv2d(spec, "cuda", fast_paths="no", convolutions=HostConvolutions)
+
+
+def test_the_public_launch_path_runs_the_layer_in_the_simulator():
+    """fast_paths=False takes numba's dispatcher for every launch (in the simulator every
+    launch does): the step still matches the reference."""
+    spec = LayerSpec(batch_size=2, in_height=5, in_width=4, in_channels=2, out_channels=4, kernel=3, padding=1,
+                     activation="gelu", normalization="batch_norm")
+    ours = make_layer(spec, backend="cuda", convolutions=HostConvolutions, fast_paths=False)
+    ref = make_layer(spec)
+    x, dy = random_inputs(spec)
+    assert_step_matches(ours, ref, x, dy)
+    assert_grads_and_state_match(ours, ref, bias_atol=1e-4)  # batch norm: the bias gradient sums to ~0

@@ -119,10 +119,11 @@ class Execution:
     The frontend's `execute` normalises its variant pack on every call (25-30 us of host
     time measured on the H200); its native entry point takes an array of pointers in the
     graph's uid order (6 us). That array is built here once. Where the frontend does not
-    offer that entry point, its public ordered form (`tensor_uids=`) is used instead.
+    offer that entry point, its public ordered form (`tensor_uids=`) is used instead, and
+    always with `native=False` (the public path the native one is tested against).
     """
 
-    def __init__(self, graph: Graph, handle: Any, workspace_ptr: int) -> None:
+    def __init__(self, graph: Graph, handle: Any, workspace_ptr: int, native: bool = True) -> None:
         import ctypes
 
         self.graph = graph
@@ -136,6 +137,8 @@ class Execution:
         self._native = None
         self._proven = False
         try:
+            if not native:
+                raise LookupError("the public execute was asked for")
             from cudnn._handle import to_backend_handle
 
             g = graph.graph
@@ -337,7 +340,7 @@ class Convolutions:
     """
 
     def __init__(self, cuda, spec: LayerSpec, handle: Any, stream_ptr: int, device: int, allow_tf32: bool,
-                 relu_fusion: bool, autotune: bool = False) -> None:
+                 relu_fusion: bool, autotune: bool = False, fast_paths: bool = True) -> None:
         self.cuda = cuda
         ops = ["forward", "backward_data", "backward_filter"]
         if relu_fusion:
@@ -354,7 +357,8 @@ class Convolutions:
         self.plans = {op: g.plan for op, g in self.graphs.items()}
         self.relu_fusion = relu_fusion
         self.workspace_ptr = device_pointer(self._workspace)
-        self._executions = {op: Execution(g, self.handle, self.workspace_ptr) for op, g in self.graphs.items()}
+        self._executions = {op: Execution(g, self.handle, self.workspace_ptr, native=fast_paths)
+                            for op, g in self.graphs.items()}
 
     def _run(self, op: str, **arrays) -> None:
         e = self._executions[op]

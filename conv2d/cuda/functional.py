@@ -140,18 +140,24 @@ class Functions:
     name = "cuda"
 
     def __init__(self, spec: LayerSpec, stream: Any = None, allow_tf32: bool = False, autotune: bool = False,
-                 convolutions: Callable[[LayerSpec], Any] | None = None, max_shapes: int = 8) -> None:
+                 convolutions: Callable[[LayerSpec], Any] | None = None, max_shapes: int = 8,
+                 fast_paths: bool = True) -> None:
         """`stream`: the caller's stream (numba, torch or cupy stream, or a CUstream int);
         by default a new one, and torch's current stream for torch tensors. `allow_tf32`:
         let float32 convolutions use TF32 tensor cores. `autotune`: time every
         deterministic cuDNN plan of each convolution once per process and use the fastest
         (else cuDNN's heuristic choice). `convolutions`: a stand-in for cuDNN, called with
         the spec of an input shape, with `cudnn.Convolutions`' methods (tests use one in
-        numba's simulator, where cuDNN cannot run). `max_shapes`: input shapes kept planned."""
+        numba's simulator, where cuDNN cannot run). `max_shapes`: input shapes kept planned.
+        `fast_paths`: prepared kernel launches straight to the driver and cuDNN executes
+        through the frontend's native pointer array (private APIs, `launch.py`,
+        `cudnn.Execution`); False takes numba's dispatcher and the frontend's public
+        execute, with bitwise the same results (tests/test_cuda.py), for a new numba or
+        frontend whose private API moved."""
         if spec.dtype is DType.FLOAT64:
             raise ValueError("dtype: float64 is the reference backend's oracle type; the CUDA backend takes "
                              "float32, float16 or bfloat16")
-        for name, value in (("allow_tf32", allow_tf32), ("autotune", autotune)):
+        for name, value in (("allow_tf32", allow_tf32), ("autotune", autotune), ("fast_paths", fast_paths)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name}: expected a bool, got {value!r}")
         if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 1:
@@ -169,10 +175,11 @@ class Functions:
             self._handle = handle
             device = cuda.get_current_device().id
             convolutions = lambda s: cudnn.Convolutions(cuda, s, handle, stream_handle(self.stream), device,  # noqa: E731
-                                                        allow_tf32, self.relu_fusion, autotune)
+                                                        allow_tf32, self.relu_fusion, autotune, fast_paths)
         else:
             self._handle = None
         self._convolutions = convolutions
+        self.fast_paths = fast_paths
         # Row-kernel threads keep `lanes` channels read with one 8-byte load; d_y that is
         # not 8-byte aligned (a caller's offset view) is read one value at a time by the
         # same sums in the same order (`narrow`), so results do not depend on it.
@@ -384,7 +391,8 @@ class Functions:
                         accumulate=K.ACC_NONE)
             full.update({k: (np.float32(v) if k in ("count", "var_scale") else v) for k, v in args.items()})
             kernel = (self._narrow if narrow else self.k).rows[kind]
-            plan.launches[(key, narrow)] = Launch(kernel, plan.P, K.ROW_THREADS, self._current, full)
+            plan.launches[(key, narrow)] = Launch(kernel, plan.P, K.ROW_THREADS, self._current, full,
+                                                  fast=self.fast_paths)
             plan.launches[(key, narrow)]()
             return
         self._call(launch, {k: v for k, v in args.items() if k not in _FIXED_ROW_ARGS})
@@ -403,7 +411,8 @@ class Functions:
         that may change per call (the first call prepares it, later ones swap them)."""
         launch = plan.launches.get(key)
         if launch is None:
-            launch = plan.launches[key] = Launch(kernel, grid, block, self._current, {**fixed, **arrays})
+            launch = plan.launches[key] = Launch(kernel, grid, block, self._current, {**fixed, **arrays},
+                                                 fast=self.fast_paths)
             launch()
             return
         self._call(launch, arrays)

@@ -44,11 +44,13 @@ class Launch:
     called with: numba device arrays (the kernels here index them flat, so each is
     passed as its 1-D view) and scalars (numpy scalar types or bool).
     `launch(name=value, ...)` replaces those arguments, each by a device array of the
-    same size and dtype or a scalar of the same type, and launches.
+    same size and dtype or a scalar of the same type, and launches. With `fast=False` every
+    call goes through numba's dispatcher (the public path the prepared one is tested
+    against).
     """
 
     def __init__(self, kernel: Any, grid: int | tuple, block: int | tuple, stream: Any,
-                 args: Mapping[str, Any]) -> None:
+                 args: Mapping[str, Any], fast: bool = True) -> None:
         names = list(inspect.signature(kernel.py_func).parameters)
         if set(names) != set(args):
             raise ValueError(f"Launch of {kernel.py_func.__name__}: arguments {sorted(args)}, the kernel takes "
@@ -61,7 +63,7 @@ class Launch:
         self._index = {n: i for i, n in enumerate(names)}
         self.args = [_flat(args[n]) for n in names]
         self._raw = None
-        if not simulating():
+        if fast and not simulating():
             self._prepare()
 
     def _prepare(self) -> None:

@@ -187,7 +187,8 @@ def _launch(cuda_fn: Any, prepared: dict, kind: str, make: Any, args: dict) -> N
     total = int(args["n0"] + args["n1"] + args["n2"] + args["n3"])
     if launch is None:
         grid, block = elementwise_grid(total)
-        launch = prepared[kind] = Launch(make(), grid, block, cuda_fn.current_stream, args)
+        launch = prepared[kind] = Launch(make(), grid, block, cuda_fn.current_stream, args,
+                                         fast=cuda_fn.fast_paths)
     if launch.stream is not cuda_fn.current_stream:
         launch.set_stream(cuda_fn.current_stream)
     launch(**args)
