@@ -230,3 +230,34 @@ def test_the_public_launch_path_runs_the_layer_in_the_simulator():
     x, dy = random_inputs(spec)
     assert_step_matches(ours, ref, x, dy)
     assert_grads_and_state_match(ours, ref, bias_atol=1e-4)  # batch norm: the bias gradient sums to ~0
+
+
+SIMPLE_CASES = [("relu", "none", "float32"), ("gelu", "batch_norm", "float32"), ("tanh", "layer_norm", "float32"),
+                ("fast_tanh", "batch_norm", "bfloat16"), ("sigmoid", "layer_norm", "float16")]
+
+
+@pytest.mark.parametrize("act, norm, dtype", SIMPLE_CASES, ids=["-".join(c) for c in SIMPLE_CASES])
+def test_the_simple_kernels_run_the_layer_as_the_reference_and_the_fast_kernels(act, norm, dtype):
+    """kernels="simple" (one plain kernel per reference step): a training step and an
+    evaluate agree with the reference, and with the fast kernels, within the tolerance."""
+    spec = LayerSpec(batch_size=3, in_height=6, in_width=5, in_channels=3, out_channels=4, kernel=3, padding=1,
+                     activation=act, normalization=norm, dtype=dtype)
+    simple_layer = make_layer(spec, backend="cuda", convolutions=HostConvolutions, kernels="simple")
+    fast_layer = cuda_layer(spec)
+    ref = make_layer(spec, backend="reference")
+    x, dy = random_inputs(spec)
+    got = {}
+    for name, layer in (("simple", simple_layer), ("fast", fast_layer), ("reference", ref)):
+        y = as_numpy(layer.forward(x))
+        dx = as_numpy(layer.backward_full(x, dy))
+        got[name] = {"y": y, "d_x": dx, **{f"d_{k}": v for k, v in layer.grad_dict().items()},
+                     **layer.state_dict(), "evaluate": as_numpy(layer.evaluate(x))}
+    # Against the largest value of each result, at least 0.1 (a bias gradient under batch
+    # norm sums O(1) terms to about zero): float32 sums of at most 90 terms, or 16-bit
+    # storage roundings.
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    for other in ("reference", "fast"):
+        for k, want in got[other].items():
+            want = np.asarray(want, np.float64)
+            err = np.max(np.abs(np.asarray(got["simple"][k], np.float64) - want)) / max(np.max(np.abs(want)), 0.1)
+            assert err <= tol, f"{k} against {other}: relative error {err:.2e} > {tol:.0e}"

@@ -38,7 +38,7 @@ import numpy as np
 
 from conv2d.arrays import CUPY, NUMPY, TORCH, library
 from conv2d.checks import describe, input_spec
-from conv2d.cuda import cudnn, kernels as K
+from conv2d.cuda import cudnn, kernels as K, simple
 from conv2d.cuda.launch import Launch, device_pointer
 from conv2d.cuda.memory import OutputAllocator
 from conv2d.cuda.runtime import (as_stream, device_dtype, device_input, device_view, from_device_bits, numba_cuda,
@@ -119,6 +119,7 @@ class _Plan:
         self.frozen: dict[str, Any] | None = None
         self.generation = 0
         self.wrapped: dict = {}  # frozen outputs as torch tensors, made once
+        self.scratch = simple.Scratch(cuda, self.total, self.groups, oc) if fn.kernels == "simple" else None
 
     def saved_buffers(self, fn: "Functions") -> tuple:
         """A new set of (pre, mean, inv_std) buffers, numbered: prepared launches are kept
@@ -141,7 +142,7 @@ class Functions:
 
     def __init__(self, spec: LayerSpec, stream: Any = None, allow_tf32: bool = False, autotune: bool = False,
                  convolutions: Callable[[LayerSpec], Any] | None = None, max_shapes: int = 8,
-                 fast_paths: bool = True) -> None:
+                 fast_paths: bool = True, kernels: str = "fast") -> None:
         """`stream`: the caller's stream (numba, torch or cupy stream, or a CUstream int);
         by default a new one, and torch's current stream for torch tensors. `allow_tf32`:
         let float32 convolutions use TF32 tensor cores. `autotune`: time every
@@ -153,13 +154,17 @@ class Functions:
         through the frontend's native pointer array (private APIs, `launch.py`,
         `cudnn.Execution`); False takes numba's dispatcher and the frontend's public
         execute, with bitwise the same results (tests/test_cuda.py), for a new numba or
-        frontend whose private API moved."""
+        frontend whose private API moved. `kernels`: "fast" (kernels.py, fused) or
+        "simple" (simple.py: one plain kernel per reference step, through numba's
+        dispatcher; for reading, and for checking a new fast kernel against)."""
         if spec.dtype is DType.FLOAT64:
             raise ValueError("dtype: float64 is the reference backend's oracle type; the CUDA backend takes "
                              "float32, float16 or bfloat16")
         for name, value in (("allow_tf32", allow_tf32), ("autotune", autotune), ("fast_paths", fast_paths)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name}: expected a bool, got {value!r}")
+        if kernels not in ("fast", "simple"):
+            raise ValueError(f"kernels: expected 'fast' or 'simple', got {kernels!r}")
         if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 1:
             raise ValueError(f"max_shapes: expected an int >= 1, got {max_shapes!r}")
         cuda = numba_cuda() if convolutions is not None else require_gpu()
@@ -180,6 +185,10 @@ class Functions:
             self._handle = None
         self._convolutions = convolutions
         self.fast_paths = fast_paths
+        self.kernels = kernels
+        if kernels == "simple":
+            self.simple = simple.simple_set(spec.dtype.value, spec.activation)
+            self.simple32 = simple.simple_set("float32", spec.activation)
         # Row-kernel threads keep `lanes` channels read with one 8-byte load; d_y that is
         # not 8-byte aligned (a caller's offset view) is read one value at a time by the
         # same sums in the same order (`narrow`), so results do not depend on it.
@@ -457,6 +466,9 @@ class Functions:
         # forward's saved buffers (each set its own launches).
         z, mean, inv_std = buffers
         plan.conv.forward(x, p["weights"], p.get("bias"), z)
+        if self.kernels == "simple":
+            return simple.forward_steps(self.simple, self.spec, (plan.M, plan.C, plan.S, plan.groups), plan.scratch,
+                                        p, r, z, y, mean, inv_std, training, self._current)
         from_batch = self._statistics(plan, p, r, z, (mean, inv_std), training, keep)
         self._rows(plan, ("apply", keep), K.WRITE_Y, z=z, out=y, mean=mean, inv_std=inv_std, **self._norm(p))
         return from_batch
@@ -575,6 +587,38 @@ class Functions:
                 out[k] = a.reshape(shape)
         return views, out
 
+    def _grad_pre_activations(self, plan: _Plan, p: dict, saved: Saved, d_y_dev: Any, mean: Any, inv_std: Any,
+                              g: dict, acc: int) -> None:
+        """plan.d_z (stored) from d_y through the activation and the norm with the fast row
+        kernels, and the bias, gamma and beta gradients written or added into g (`acc`:
+        kernels.ACC_*) (reference: grad_pre_activations and bias_backward)."""
+        d, norm, call = self._dummy, self.spec.normalization, saved.spec
+        sums, count = d, 1.0
+        narrow = self.lanes > 1 and device_pointer(d_y_dev) % 8 != 0
+        batch_stats = saved.batch_stats
+        if norm is not Normalization.NONE:
+            # Per channel: sum d_a and sum d_a * x_hat, the beta and gamma gradients, and
+            # for batch norm with batch statistics also what its backward needs.
+            self._rows(plan, ("grads", acc, saved.slot), K.SUM_GRADS, narrow, z=saved.pre, d_y=d_y_dev,
+                       out=plan.d_z, mean=mean, inv_std=inv_std, **self._norm(p), sums=plan.sums_col,
+                       acc0=g.get("beta", d), acc1=g.get("gamma", d), accumulate=acc)
+            if norm is Normalization.LAYER_NORM:
+                n = call.batch_size
+                self._launch(plan, ("seg_grads", saved.slot), self.k.segment_partials[K.SUM_GRADS], (n, plan.Q),
+                             K.SEG_THREADS, {"C": plan.C, "S": plan.S, "out0": plan.seg[0], "out1": plan.seg[1]},
+                             z=saved.pre, d_y=d_y_dev, mean=mean, inv_std=inv_std, **self._norm(p))
+                self._launch(plan, "seg_grads_final", self.k.partials_final, n, K.WARP,
+                             {"p0": plan.seg[0], "p1": plan.seg[1], "P": plan.Q, "G": n, "sums": plan.sums_seg})
+                sums, count = plan.sums_seg, plan.S
+            elif batch_stats:
+                sums, count = plan.sums_col, plan.M
+        # d_z through the activation and the norm, and in the same pass its per-channel
+        # sums: the bias gradient.
+        bias_acc = acc if self.spec.bias else K.ACC_NONE
+        self._rows(plan, ("dz", batch_stats, bias_acc, saved.slot), K.WRITE_DZ, narrow, z=saved.pre,
+                   d_y=d_y_dev, out=plan.d_z, mean=mean, inv_std=inv_std, **self._norm(p), sums=sums,
+                   batch_stats=batch_stats, count=count, acc0=g.get("bias", d), accumulate=bias_acc)
+
     def backward(self, params: Mapping[str, Any], saved: Saved, d_y: Any, want_params: bool = True,
                  want_input: bool = True, accumulate: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
         """(grads, d_x) of the forward that gave `saved`, for d_y (N, OH, OW, OC) of its shape.
@@ -596,33 +640,15 @@ class Functions:
             g, grads = self._gradients(accumulate, lib, d_y) if want_params else ({}, None)
             d = self._dummy
             mean, inv_std = (saved.mean, saved.inv_std) if norm is not Normalization.NONE else (d, d)
-            sums, count = d, 1.0
-            narrow = self.lanes > 1 and device_pointer(d_y_dev) % 8 != 0
-            batch_stats = saved.batch_stats
             # Parameter gradients: added into the caller's `accumulate`, or written fresh.
             acc = (K.ACC_ADD if accumulate is not None else K.ACC_WRITE) if want_params else K.ACC_NONE
-            if norm is not Normalization.NONE:
-                # Per channel: sum d_a and sum d_a * x_hat, the beta and gamma gradients, and
-                # for batch norm with batch statistics also what its backward needs.
-                self._rows(plan, ("grads", acc, saved.slot), K.SUM_GRADS, narrow, z=saved.pre, d_y=d_y_dev,
-                           out=plan.d_z, mean=mean, inv_std=inv_std, **self._norm(p), sums=plan.sums_col,
-                           acc0=g.get("beta", d), acc1=g.get("gamma", d), accumulate=acc)
-                if norm is Normalization.LAYER_NORM:
-                    n = call.batch_size
-                    self._launch(plan, ("seg_grads", saved.slot), self.k.segment_partials[K.SUM_GRADS], (n, plan.Q),
-                                 K.SEG_THREADS, {"C": plan.C, "S": plan.S, "out0": plan.seg[0], "out1": plan.seg[1]},
-                                 z=saved.pre, d_y=d_y_dev, mean=mean, inv_std=inv_std, **self._norm(p))
-                    self._launch(plan, "seg_grads_final", self.k.partials_final, n, K.WARP,
-                                 {"p0": plan.seg[0], "p1": plan.seg[1], "P": plan.Q, "G": n, "sums": plan.sums_seg})
-                    sums, count = plan.sums_seg, plan.S
-                elif batch_stats:
-                    sums, count = plan.sums_col, plan.M
-            # d_z through the activation and the norm, and in the same pass its per-channel
-            # sums: the bias gradient.
-            bias_acc = acc if self.spec.bias else K.ACC_NONE
-            self._rows(plan, ("dz", batch_stats, bias_acc, saved.slot), K.WRITE_DZ, narrow, z=saved.pre,
-                       d_y=d_y_dev, out=plan.d_z, mean=mean, inv_std=inv_std, **self._norm(p), sums=sums,
-                       batch_stats=batch_stats, count=count, acc0=g.get("bias", d), accumulate=bias_acc)
+            if self.kernels == "simple":
+                simple.backward_steps(self.simple, self.simple32, self.spec, (plan.M, plan.C, plan.S, plan.groups),
+                                      plan.scratch, p, saved.pre, mean, inv_std, saved.batch_stats, d_y_dev,
+                                      plan.d_z, {k: v for k, v in g.items() if k != "weights"}, accumulate is None,
+                                      self._current)
+            else:
+                self._grad_pre_activations(plan, p, saved, d_y_dev, mean, inv_std, g, acc)
             d_x = None
             if want_input:
                 d_x_dev, d_x = self._output(plan, "d_x", call.input_shape, lib, d_y)

@@ -56,6 +56,7 @@ class SimpleSet:
     backward_batch_statistics: object
     backward_fixed_statistics: object
     bias_backward: object
+    accumulate: object
 
 
 @cuda.jit(device=True, inline=True)
@@ -214,6 +215,112 @@ def simple_set(storage: str, activation: Activation) -> SimpleSet:
                 s += d_z[r * C + c]
             d_bias[c] = s
 
+    @cuda.jit
+    def accumulate(total, new):
+        """total += new, total stored, new float32: a gradient added into the caller's
+        (one thread a value)."""
+        i = cuda.grid(1)
+        if i < new.size:
+            store(total, i, load(total, i) + new[i])
+
     return SimpleSet(to_compute, to_storage, statistics, inverse_std, update_running, activation_input,
                      activation_forward, activation_backward, param_backward, gradient_means, backward_batch_statistics,
-                     backward_fixed_statistics, bias_backward)
+                     backward_fixed_statistics, bias_backward, accumulate)
+
+
+# The layer's steps over the simple kernels: what `Functions` runs between the
+# convolutions with kernels="simple", in the reference's order (reference/functional.py:
+# forward's _statistics and _activation_input, grad_pre_activations, bias_backward).
+class Scratch:
+    """float32 arrays of one input shape for the simple steps: values (M*C), per group
+    and per channel."""
+
+    def __init__(self, cuda, total: int, groups: int, channels: int) -> None:
+        def alloc(n):
+            return cuda.device_array(max(n, 1), np.float32)
+        self.z, self.a, self.x_hat, self.d_a, self.d_z = (alloc(total) for _ in range(5))
+        self.var, self.mean_g, self.mean_gx = (alloc(groups) for _ in range(3))
+        self.d_gamma, self.d_beta, self.d_bias = (alloc(channels) for _ in range(3))
+
+
+def _run(kernel, n: int, stream, *args) -> None:
+    """`kernel` over n items on `stream`; the kernels index arrays flat."""
+    blocks, threads = grid(n)
+    flat = [a.reshape(a.size) if getattr(a, "ndim", 1) > 1 else a for a in args]
+    kernel[blocks, threads, stream](*flat)
+
+
+def forward_steps(k: SimpleSet, spec, shape: tuple, scratch: Scratch, params: dict, running: dict | None,
+                  z, y, mean, inv_std, training: bool, stream) -> bool:
+    """y = act(norm(z)) from the stored pre-activations z (flat (M*C) values), filling mean
+    and inv_std of the norm and, for a training batch norm, updating `running` in place;
+    returns whether the statistics came from the batch. `shape`: (M, C, S, groups)."""
+    from conv2d.spec import Normalization
+
+    M, C, S, groups = shape
+    total, norm, s = M * C, spec.normalization, scratch
+    _run(k.to_compute, total, stream, z, s.z)
+    if norm is Normalization.NONE:
+        _run(k.activation_forward, total, stream, s.z, y)
+        return False
+    layer = norm is Normalization.LAYER_NORM
+    eps = np.float32(spec.bn_epsilon)
+    if layer or training:
+        _run(k.statistics, groups, stream, s.z, C, S, layer, mean, s.var)
+        _run(k.inverse_std, groups, stream, s.var, eps, inv_std)
+        if not layer and running is not None:
+            mom = np.float32(spec.bn_momentum)
+            _run(k.update_running, C, stream, running["running_mean"], mean, mom, np.float32(1.0))
+            _run(k.update_running, C, stream, running["running_var"], s.var, mom,
+                 np.float32(spec.running_var_scale(M)))
+        from_batch = True
+    else:
+        mean.copy_to_device(running["running_mean"], stream=stream)
+        _run(k.inverse_std, groups, stream, running["running_var"], eps, inv_std)
+        from_batch = False
+    _run(k.activation_input, total, stream, s.z, mean, inv_std, params["gamma"], params["beta"], C, S, layer,
+         s.a, s.x_hat)
+    _run(k.activation_forward, total, stream, s.a, y)
+    return from_batch
+
+
+def backward_steps(k: SimpleSet, k32: SimpleSet, spec, shape: tuple, scratch: Scratch, params: dict, pre,
+                   mean, inv_std, batch_stats: bool, d_y, d_z, grads: dict, fresh: bool, stream) -> None:
+    """d_z (stored, flat) from d_y through the activation and the norm, and the bias,
+    gamma and beta gradients written into `grads` (`fresh`: their memory is not zeroed)
+    or added into them (those of its keys the spec has). `k32`: the float32 set (gamma
+    and beta gradients are float32)."""
+    from conv2d.spec import Normalization
+
+    M, C, S, groups = shape
+    total, norm, s = M * C, spec.normalization, scratch
+    _run(k.to_compute, total, stream, pre, s.z)
+    if norm is Normalization.NONE:
+        _run(k.activation_backward, total, stream, s.z, d_y, s.d_z)
+    else:
+        layer = norm is Normalization.LAYER_NORM
+        gamma = params["gamma"]
+        _run(k.activation_input, total, stream, s.z, mean, inv_std, gamma, params["beta"], C, S, layer, s.a,
+             s.x_hat)
+        _run(k.activation_backward, total, stream, s.a, d_y, s.d_a)
+        if "gamma" in grads and fresh:
+            _run(k.param_backward, C, stream, s.d_a, s.x_hat, C, grads["gamma"], grads["beta"])
+        elif "gamma" in grads:
+            _run(k.param_backward, C, stream, s.d_a, s.x_hat, C, s.d_gamma, s.d_beta)
+            _run(k32.accumulate, C, stream, grads["gamma"], s.d_gamma)
+            _run(k32.accumulate, C, stream, grads["beta"], s.d_beta)
+        if batch_stats:
+            _run(k.gradient_means, groups, stream, s.d_a, s.x_hat, gamma, C, S, layer, s.mean_g, s.mean_gx)
+            _run(k.backward_batch_statistics, total, stream, s.d_a, s.x_hat, inv_std, gamma, s.mean_g, s.mean_gx,
+                 C, S, layer, s.d_z)
+        else:
+            _run(k.backward_fixed_statistics, total, stream, s.d_a, inv_std, gamma, C, s.d_z)
+    _run(k.to_storage, total, stream, s.d_z, d_z)
+    if "bias" in grads:
+        # The bias gradient sums d_z as stored, as the convolution gradients read it.
+        _run(k.to_compute, total, stream, d_z, s.d_a)
+        _run(k.bias_backward, C, stream, s.d_a, C, s.d_bias)
+        if fresh:
+            _run(k.to_storage, C, stream, s.d_bias, grads["bias"])
+        else:
+            _run(k.accumulate, C, stream, grads["bias"], s.d_bias)
