@@ -32,13 +32,13 @@ from probe_cuda import gpu_ms  # noqa: E402
 ROW_TRAFFIC = {"stats": 1, "apply": 2, "grads": 2, "dz": 3}
 
 
-def measure(spec, steps: int) -> tuple[dict[str, float], float, int]:
+def measure(spec, steps: int, config) -> tuple[dict[str, float], float, int]:
     from conv2d import Conv2d
     from conv2d.cuda import cudnn
     from conv2d.cuda.launch import Launch
     from conv2d.cuda.runtime import to_device_bits
 
-    layer = Conv2d(spec, "cuda")
+    layer = Conv2d(spec, "cuda", launch_config=config)
     layer.init_weights(np.random.default_rng(0))
     impl = layer.functions
     cuda, stream = impl.cuda, impl.stream
@@ -95,35 +95,34 @@ def main() -> None:
     ap.add_argument("--shapes", default="resnet_28,resnet_56,rl_small")
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--bn", default="1", help="comma list of 0/1")
-    ap.add_argument("--max-blocks", default="", help="comma list of kernels.ROW_MAX_BLOCKS values")
-    ap.add_argument("--unroll", default="", help="comma list of kernels.ROW_UNROLL values")
-    ap.add_argument("--wide", default="", help="comma list of kernels.WIDE_ROWS values (1/0)")
-    ap.add_argument("--phase-two-unroll", default="", help="comma list of kernels.PHASE_TWO_UNROLL values")
-    ap.add_argument("--phase-group", default="", help="comma list of kernels.PHASE_GROUP values")
-    ap.add_argument("--bounded", default="", help="comma list of kernels.ROW_BOUNDED values (1/0)")
+    ap.add_argument("--max-blocks", default="", help="comma list of LaunchConfig.row_max_blocks values")
+    ap.add_argument("--unroll", default="", help="comma list of LaunchConfig.row_unroll values")
+    ap.add_argument("--wide", default="", help="comma list of LaunchConfig.wide_rows values (1/0)")
+    ap.add_argument("--phase-two-unroll", default="", help="comma list of LaunchConfig.phase_two_unroll values")
+    ap.add_argument("--phase-group", default="", help="comma list of LaunchConfig.phase_group values")
+    ap.add_argument("--bounded", default="", help="comma list of LaunchConfig.row_bounded values (1/0)")
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
 
     from conv2d.cuda import kernels as K
 
-    blocks = [int(v) for v in args.max_blocks.split(",") if v] or [K.ROW_MAX_BLOCKS]
-    unrolls = [int(v) for v in args.unroll.split(",") if v] or [K.ROW_UNROLL]
-    wides = [v == "1" for v in args.wide.split(",") if v] or [K.WIDE_ROWS]
-    twos = [int(v) for v in args.phase_two_unroll.split(",") if v] or [K.PHASE_TWO_UNROLL]
-    groups = [int(v) for v in args.phase_group.split(",") if v] or [K.PHASE_GROUP]
-    bounds = [v == "1" for v in args.bounded.split(",") if v] or [K.ROW_BOUNDED]
+    d = K.DEFAULT_CONFIG
+    blocks = [int(v) for v in args.max_blocks.split(",") if v] or [d.row_max_blocks]
+    unrolls = [int(v) for v in args.unroll.split(",") if v] or [d.row_unroll]
+    wides = [v == "1" for v in args.wide.split(",") if v] or [d.wide_rows]
+    twos = [int(v) for v in args.phase_two_unroll.split(",") if v] or [d.phase_two_unroll]
+    groups = [int(v) for v in args.phase_group.split(",") if v] or [d.phase_group]
+    bounds = [v == "1" for v in args.bounded.split(",") if v] or [d.row_bounded]
     sweep = [(w, u, t, g, b, lb) for w in wides for u in unrolls for t in twos for g in groups for b in blocks
              for lb in bounds]
     for wide, unroll, two, group, max_blocks, bounded in sweep:
-        K.WIDE_ROWS, K.ROW_UNROLL, K.PHASE_TWO_UNROLL, K.ROW_MAX_BLOCKS = wide, unroll, two, max_blocks
-        K.PHASE_GROUP, K.ROW_BOUNDED = group, bounded
-        K.ROW_BUFFER = unroll * K.MAX_LANES
-        K.kernel_set.cache_clear()  # compiled again with these constants
+        config = K.LaunchConfig(wide_rows=wide, row_unroll=unroll, phase_two_unroll=two, row_max_blocks=max_blocks,
+                                phase_group=group, row_bounded=bounded)
         for shape in args.shapes.split(","):
             for dtype in args.dtypes.split(","):
                 for bn in args.bn.split(","):
                     spec = bench_spec(shape, bn == "1", dtype)
-                    pieces, graph_ms, P = measure(spec, args.steps)
+                    pieces, graph_ms, P = measure(spec, args.steps, config)
                     item = 4 if dtype == "float32" else 2
                     values = int(np.prod(spec.output_shape))
                     parts = []

@@ -77,7 +77,7 @@ def main() -> None:
     y1, y2 = cuda.device_array(total, np.float32), cuda.device_array(total, np.float32)
     stats = [cuda.to_device(rng.random(c).astype(np.float32) + 0.5) for _ in range(4)]
     d = impl._dummy
-    counter = cuda.to_device(np.zeros(1 + K.phase_groups(plan.P), np.int32))
+    counter = cuda.to_device(np.zeros(1 + impl.config.phase_groups(plan.P), np.int32))
     kernel = impl.k.rows[K.WRITE_Y]
 
     def kernel_args(out):

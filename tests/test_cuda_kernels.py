@@ -27,8 +27,8 @@ CASES = ([(name, "float32", mode) for name in FILES for mode in MODES]
          + [(name, dt, mode) for name in SIXTEEN_BIT_CASES for dt in ("float16", "bfloat16") for mode in MODES])
 
 
-def cuda_layer(spec, seed=0):
-    return make_layer(spec, seed, backend="cuda", convolutions=HostConvolutions)
+def cuda_layer(spec, seed=0, **options):
+    return make_layer(spec, seed, backend="cuda", convolutions=HostConvolutions, **options)
 
 
 def assert_step_matches(ours, ref, x, dy):
@@ -75,13 +75,12 @@ def test_bfloat16_conversion_rounds_like_ml_dtypes():
 
 
 @pytest.mark.parametrize("norm", ["batch_norm", "layer_norm"])
-def test_reductions_over_several_partials_match_the_reference(monkeypatch, norm):
+def test_reductions_over_several_partials_match_the_reference(norm):
     # Small shapes give one partial per group; force several to exercise phase two.
-    monkeypatch.setattr(K, "row_partition", lambda M, C: 3)
-    monkeypatch.setattr(K, "segment_partition", lambda S: 2)
     spec = LayerSpec(batch_size=2, in_height=6, in_width=5, in_channels=2, out_channels=3, kernel=3, padding=1,
                      activation="tanh", normalization=norm, dtype="float32")
-    ours, ref = cuda_layer(spec), make_layer(spec, backend="reference")
+    config = K.LaunchConfig(row_blocks=3, segment_blocks=2)
+    ours, ref = cuda_layer(spec, launch_config=config), make_layer(spec, backend="reference")
     x, dy = random_inputs(spec)
     assert_step_matches(ours, ref, x, dy)
     for k, g in ref.grad_dict().items():
@@ -121,39 +120,29 @@ def test_autotune_must_be_a_bool():
 
 
 @pytest.mark.parametrize("norm", ["none", "batch_norm"])
-def test_phase_two_in_the_last_block_runs_again_on_the_next_launch(monkeypatch, norm):
+def test_phase_two_in_the_last_block_runs_again_on_the_next_launch(norm):
     # Several blocks per row kernel: each launch's last block must finish and reset its
     # counter, so a second step on new data matches the reference as the first did.
-    monkeypatch.setattr(K, "row_partition", lambda M, C: 4)
     spec = LayerSpec(batch_size=3, in_height=5, in_width=4, in_channels=2, out_channels=3, kernel=3, padding=1,
                      activation="relu", normalization=norm, dtype="float32")
-    ours, ref = cuda_layer(spec), make_layer(spec, backend="reference")
+    ours = cuda_layer(spec, launch_config=K.LaunchConfig(row_blocks=4))
+    ref = make_layer(spec, backend="reference")
     for seed in (1, 2):
         assert_step_matches(ours, ref, *random_inputs(spec, seed=seed))
     assert_grads_and_state_match(ours, ref)
 
 
-@pytest.fixture
-def fresh_kernels():
-    # Kernels read module constants when they are built: build them again around a test
-    # that changes one, so that no other test gets its variant.
-    K.kernel_set.cache_clear()
-    yield
-    K.kernel_set.cache_clear()
-
-
 @pytest.mark.parametrize("channels, blocks, group", [(100, 11, 16), (260, 3, 16), (100, 11, 4), (260, 3, 2)],
                          ids=["two-threads-a-channel", "wider-than-a-block", "groups-ragged", "groups-wide"])
-def test_phase_two_adds_the_partials_of_every_block(monkeypatch, fresh_kernels, channels, blocks, group):
+def test_phase_two_adds_the_partials_of_every_block(channels, blocks, group):
     # 100 channels: two threads of the last block share a channel, each adding several
     # turns of partials with a ragged last turn; 260 channels: more channels than threads.
     # With groups of fewer blocks than the kernel has, in two levels: 11 blocks in groups
     # of 4, 4, 3; 3 blocks in groups of 2, 1.
-    monkeypatch.setattr(K, "row_partition", lambda M, C: blocks)
-    monkeypatch.setattr(K, "PHASE_GROUP", group)
     spec = LayerSpec(batch_size=3, in_height=2, in_width=2, in_channels=2, out_channels=channels, kernel=1,
                      activation="relu", normalization="batch_norm", dtype="float32")
-    ours, ref = cuda_layer(spec), make_layer(spec, backend="reference")
+    ours = cuda_layer(spec, launch_config=K.LaunchConfig(row_blocks=blocks, phase_group=group))
+    ref = make_layer(spec, backend="reference")
     assert_step_matches(ours, ref, *random_inputs(spec))
     # Under batch norm the bias gradient sums d_z to about zero: float32 leaves ~1e-5 of
     # noise, while a partial left out or added twice would leave ~1.
@@ -261,3 +250,37 @@ def test_the_simple_kernels_run_the_layer_as_the_reference_and_the_fast_kernels(
             want = np.asarray(want, np.float64)
             err = np.max(np.abs(np.asarray(got["simple"][k], np.float64) - want)) / max(np.max(np.abs(want)), 0.1)
             assert err <= tol, f"{k} against {other}: relative error {err:.2e} > {tol:.0e}"
+
+
+def test_a_launch_config_is_part_of_the_kernel_cache_key():
+    from conv2d.activations import Activation
+    from conv2d.spec import Normalization
+
+    kind = ("float32", Activation.RELU, Normalization.BATCH_NORM, 1, False)
+    assert K.kernel_set(*kind, K.DEFAULT_CONFIG) is K.kernel_set(*kind, K.LaunchConfig())  # equal settings
+    assert K.kernel_set(*kind, K.LaunchConfig(row_unroll=2)) is not K.kernel_set(*kind, K.DEFAULT_CONFIG)
+
+
+def test_a_launch_config_names_a_bad_field():
+    with pytest.raises(ValueError, match=r"^launch_config.row_unroll: expected an int >= 1, got 0"):
+        K.LaunchConfig(row_unroll=0)
+    with pytest.raises(TypeError, match=r"^launch_config.wide_rows: expected a bool"):
+        K.LaunchConfig(wide_rows=1)
+    spec = LayerSpec(batch_size=2, in_height=4, in_width=4, in_channels=2, out_channels=3, kernel=3)
+    with pytest.raises(TypeError, match=r"^launch_config: expected a conv2d.cuda.kernels.LaunchConfig"):
+        Conv2d(spec, "cuda", launch_config={"row_unroll": 2}, convolutions=HostConvolutions)
+
+
+def test_a_layer_with_other_launch_settings_matches_the_reference():
+    """Settings of the kind scripts/breakdown_cuda.py sweeps, given per layer: narrow loads,
+    two rows in flight, small phase-two groups, without launch bounds."""
+    spec = LayerSpec(batch_size=3, in_height=6, in_width=5, in_channels=2, out_channels=8, kernel=3, padding=1,
+                     activation="gelu", normalization="batch_norm", dtype="bfloat16")
+    config = K.LaunchConfig(wide_rows=False, row_unroll=2, phase_two_unroll=2, phase_group=2, row_bounded=False,
+                            row_blocks=5)
+    ours, ref = cuda_layer(spec, launch_config=config), make_layer(spec, backend="reference")
+    x, dy = random_inputs(spec)
+    y, want = as_numpy(ours.forward(x)).astype(np.float32), ref.forward(x).astype(np.float32)
+    np.testing.assert_allclose(y, want, rtol=2e-2, atol=2e-2)
+    dx, want_dx = as_numpy(ours.backward_full(x, dy)).astype(np.float32), ref.backward_full(x, dy).astype(np.float32)
+    np.testing.assert_allclose(dx, want_dx, rtol=3e-2, atol=3e-2)

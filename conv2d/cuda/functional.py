@@ -100,12 +100,12 @@ class _Plan:
         self.M, self.C, self.S = n * oh * ow, oc, oh * ow * oc
         self.total = self.M * self.C
         self.groups = {Normalization.BATCH_NORM: oc, Normalization.LAYER_NORM: n}.get(spec.normalization, 1)
-        self.P = K.row_partition(self.M, self.C)
-        self.Q = K.segment_partition(self.S)
+        self.P = fn.config.row_partition(self.M, self.C)
+        self.Q = fn.config.segment_partition(self.S)
         self.conv = fn._convolutions(spec)
         # Reduction scratch: the row kernels' partials (one row a block, then one a group
         # of blocks), the per-sample partials of layer norm, the totals.
-        rows = self.P + K.phase_groups(self.P)
+        rows = self.P + fn.config.phase_groups(self.P)
         self.col = (alloc(rows * oc, f32), alloc(rows * oc, f32))
         self.seg = (alloc(self.Q * n, f32), alloc(self.Q * n, f32))
         self.sums_col = alloc(2 * oc, f32)
@@ -142,7 +142,8 @@ class Functions:
 
     def __init__(self, spec: LayerSpec, stream: Any = None, allow_tf32: bool = False, autotune: bool = False,
                  convolutions: Callable[[LayerSpec], Any] | None = None, max_shapes: int = 8,
-                 fast_paths: bool = True, kernels: str = "fast") -> None:
+                 fast_paths: bool = True, kernels: str = "fast",
+                 launch_config: K.LaunchConfig = K.DEFAULT_CONFIG) -> None:
         """`stream`: the caller's stream (numba, torch or cupy stream, or a CUstream int);
         by default a new one, and torch's current stream for torch tensors. `allow_tf32`:
         let float32 convolutions use TF32 tensor cores. `autotune`: time every
@@ -156,7 +157,8 @@ class Functions:
         execute, with bitwise the same results (tests/test_cuda.py), for a new numba or
         frontend whose private API moved. `kernels`: "fast" (kernels.py, fused) or
         "simple" (simple.py: one plain kernel per reference step, through numba's
-        dispatcher; for reading, and for checking a new fast kernel against)."""
+        dispatcher; for reading, and for checking a new fast kernel against).
+        `launch_config`: the fast kernels' launch settings (kernels.LaunchConfig)."""
         if spec.dtype is DType.FLOAT64:
             raise ValueError("dtype: float64 is the reference backend's oracle type; the CUDA backend takes "
                              "float32, float16 or bfloat16")
@@ -165,6 +167,8 @@ class Functions:
                 raise TypeError(f"{name}: expected a bool, got {value!r}")
         if kernels not in ("fast", "simple"):
             raise ValueError(f"kernels: expected 'fast' or 'simple', got {kernels!r}")
+        if not isinstance(launch_config, K.LaunchConfig):
+            raise TypeError(f"launch_config: expected a conv2d.cuda.kernels.LaunchConfig, got {launch_config!r}")
         if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 1:
             raise ValueError(f"max_shapes: expected an int >= 1, got {max_shapes!r}")
         cuda = numba_cuda() if convolutions is not None else require_gpu()
@@ -192,10 +196,11 @@ class Functions:
         # Row-kernel threads keep `lanes` channels read with one 8-byte load; d_y that is
         # not 8-byte aligned (a caller's offset view) is read one value at a time by the
         # same sums in the same order (`narrow`), so results do not depend on it.
-        self.lanes = K.lanes_for(spec.dtype.value, spec.out_channels) if K.WIDE_ROWS else 1
+        self.config = launch_config
+        self.lanes = K.lanes_for(spec.dtype.value, spec.out_channels) if launch_config.wide_rows else 1
         kinds = (spec.dtype.value, spec.activation, spec.normalization, self.lanes)
-        self.k = K.kernel_set(*kinds, self.lanes > 1)
-        self._narrow = K.kernel_set(*kinds, False) if self.lanes > 1 else self.k
+        self.k = K.kernel_set(*kinds, self.lanes > 1, launch_config)
+        self._narrow = K.kernel_set(*kinds, False, launch_config) if self.lanes > 1 else self.k
         self.dev_dt = device_dtype(spec.dtype)
         self.st = storage_dtype(spec.dtype)
         self.max_shapes = max_shapes
@@ -392,7 +397,8 @@ class Functions:
         launch = plan.launches.get((key, narrow))
         if launch is None:
             s, d = self.spec, self._dummy
-            counter = self.cuda.to_device(np.zeros(1 + K.phase_groups(plan.P), np.int32), stream=self._current)
+            counter = self.cuda.to_device(np.zeros(1 + self.config.phase_groups(plan.P), np.int32),
+                                          stream=self._current)
             full = dict(z=d, d_y=d, out=d, mean=d, inv_std=d, gamma=d, beta=d, sums=d, batch_stats=False,
                         count=np.float32(1.0), epsilon=np.float32(s.bn_epsilon),
                         momentum=np.float32(s.bn_momentum), var_scale=np.float32(1.0), M=plan.M, C=plan.C,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -42,8 +43,9 @@ from conv2d.spec import Normalization
 cuda = numba_cuda()
 f32 = np.float32
 
-# Launch shapes. Row kernels: blocks of ROW_THREADS threads, each block a fixed slice of
-# rows; at most ROW_MAX_BLOCKS blocks, at least ROW_MIN_VALUES values per thread: one
+# Launch shapes (the tuned ones are LaunchConfig's fields, below). Row kernels: blocks of
+# ROW_THREADS threads, each block a fixed slice of rows; at most `row_max_blocks` blocks,
+# at least ROW_MIN_VALUES values per thread: one
 # wave of three blocks an SM of an H100/H200 (132 SMs). The lane-group row kernels take
 # 60-80 registers (ptxas, sm_90), so three blocks of 256 fit an SM (four need <= 64) and
 # a launch of four an SM ran its last blocks in a second wave. scripts/breakdown_cuda.py
@@ -55,24 +57,72 @@ ELEMENTWISE_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 132 * 16
 ROW_THREADS = 256
 SMS = 132
-ROW_MAX_BLOCKS = SMS * 3
-# Row kernels compiled with launch bounds of ROW_MAX_BLOCKS // SMS resident blocks an SM,
-# so that a change that needs more registers spills (visible in ptxas -v) instead of
-# silently putting a launch in two waves.
-ROW_BOUNDED = True
 ROW_MIN_VALUES = 16
-ROW_UNROLL = 4
-PHASE_TWO_UNROLL = 4
-# Blocks whose partials one block adds in phase two's first level (phase_groups).
-PHASE_GROUP = 16
-WIDE_ROWS = True  # row kernels read lane groups with 8-byte loads (lanes_for)
 MAX_LANES = 4  # channels a row-kernel thread keeps at most (8 bytes of 16-bit values)
-# numba sizes local and shared arrays only by plain module constants, not expressions.
-ROW_BUFFER = ROW_UNROLL * MAX_LANES
+# numba sizes local and shared arrays only by constants (module constants or the names
+# kernel_set binds before it defines the kernels), not expressions.
 ROW_SHARED = ROW_THREADS * MAX_LANES
 SEG_THREADS = 256
 SEG_MAX_PARTIALS = 64
 WARP = 32
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The fast kernels' tuned launch settings: compile-time constants of the kernels and
+    part of their cache key (`kernel_set`), chosen per layer (the backend option
+    `launch_config`), never patched into this module. The defaults are the H200's
+    (scripts/breakdown_cuda.py sweeps them)."""
+
+    wide_rows: bool = True  # row kernels read lane groups with 8-byte loads (lanes_for)
+    row_unroll: int = 4  # rows a row-kernel thread loads before it adds them
+    phase_two_unroll: int = 4  # partials in flight per thread in phase two
+    row_max_blocks: int = SMS * 3  # at most this many row-kernel blocks (one wave of three an SM)
+    # Blocks whose partials one block adds in phase two's first level (phase_groups).
+    phase_group: int = 16
+    # Row kernels compiled with launch bounds of row_max_blocks // SMS resident blocks an
+    # SM, so that a change that needs more registers spills (visible in ptxas -v) instead
+    # of silently putting a launch in two waves.
+    row_bounded: bool = True
+    # Fixed block counts instead of the shape's partition (tests: several partials on a
+    # small shape); None: row_partition and segment_partition decide.
+    row_blocks: Optional[int] = None
+    segment_blocks: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("row_unroll", "phase_two_unroll", "row_max_blocks", "phase_group", "row_blocks",
+                     "segment_blocks"):
+            v = getattr(self, name)
+            if v is None and name in ("row_blocks", "segment_blocks"):
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"launch_config.{name}: expected an int >= 1, got {v!r}")
+        for name in ("wide_rows", "row_bounded"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"launch_config.{name}: expected a bool, got {getattr(self, name)!r}")
+
+    def row_partition(self, M: int, C: int) -> int:
+        """Blocks of a row kernel over (M, C) values: enough to fill the GPU, each thread
+        with at least ROW_MIN_VALUES values, no block without a row. Depends on the shape
+        alone (and `row_blocks`, where given)."""
+        if self.row_blocks is not None:
+            return self.row_blocks
+        return max(1, min(self.row_max_blocks, M, -(-M * C // (ROW_THREADS * ROW_MIN_VALUES))))
+
+    def phase_groups(self, P: int) -> int:
+        """Groups of `phase_group` blocks that a row kernel of P blocks adds up in phase
+        two's first level: its partials need P + phase_groups(P) rows of C, its counter 1
+        + phase_groups(P) zeros."""
+        return -(-P // self.phase_group)
+
+    def segment_partition(self, S: int) -> int:
+        """Blocks along one sample of a segment reduction: ~16 values per thread, at most 64."""
+        if self.segment_blocks is not None:
+            return self.segment_blocks
+        return max(1, min(SEG_MAX_PARTIALS, -(-S // (SEG_THREADS * 16))))
+
+
+DEFAULT_CONFIG = LaunchConfig()
 
 # Norm modes, and what a row kernel does per value (compile-time constants): sum the
 # shifted statistics, sum the norm's gradient terms, write d_z and sum it (the bias
@@ -376,21 +426,24 @@ class KernelSet:
     accumulate_stored: object  # grad += new, elementwise, both in the storage format
 
 
-def row_jit_options() -> dict:
-    """cuda.jit options of the row kernels: launch bounds (ROW_BOUNDED), on a GPU only
+def row_jit_options(config: LaunchConfig) -> dict:
+    """cuda.jit options of the row kernels: launch bounds (`row_bounded`), on a GPU only
     (the simulator takes none)."""
-    if not ROW_BOUNDED or simulating():
+    if not config.row_bounded or simulating():
         return {}
-    return {"launch_bounds": (ROW_THREADS, max(1, ROW_MAX_BLOCKS // SMS))}
+    return {"launch_bounds": (ROW_THREADS, max(1, config.row_max_blocks // SMS))}
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_set(storage: str, activation: Activation, normalization: Normalization, lanes: int = 1,
-               wide: bool = False) -> KernelSet:
+               wide: bool = False, config: LaunchConfig = DEFAULT_CONFIG) -> KernelSet:
     """The kernels of one layer kind. Row-kernel threads keep `lanes` consecutive channels
     (1, or `lanes_for`); with `wide` they read them with one 8-byte load (the arrays they
     read must then be 8-byte aligned), without it one load a value: the same sums in the
-    same order, so the two give bitwise identical results."""
+    same order, so the two give bitwise identical results. `config`'s settings are
+    compile-time constants of the kernels (bound to these names before they are defined)."""
+    ROW_UNROLL, PHASE_TWO_UNROLL, PHASE_GROUP = config.row_unroll, config.phase_two_unroll, config.phase_group
+    ROW_BUFFER = ROW_UNROLL * MAX_LANES
     load, store, stored, part, encode = storage_io(storage)
     LANES = lanes
     if wide:
@@ -638,7 +691,7 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
             store(acc0, g, t0 + ZERO)
 
     def make_rows(kind):
-        @cuda.jit(**row_jit_options())
+        @cuda.jit(**row_jit_options(config))
         def rows(z, d_y, out, mean, inv_std, gamma, beta, sums, batch_stats, count, epsilon, momentum, var_scale,
                  M, C, S, out0, out1, counter, acc0, acc1, accumulate):
             """One pass over the (M, C) values: grid P blocks of ROW_THREADS, block p takes
@@ -873,20 +926,3 @@ def small_grid(total: int) -> tuple[int, int]:
 def elementwise_grid(total: int) -> tuple[int, int]:
     return (max(1, min(ELEMENTWISE_MAX_BLOCKS, -(-total // ELEMENTWISE_THREADS))), ELEMENTWISE_THREADS)
 
-
-def row_partition(M: int, C: int) -> int:
-    """Blocks of a row kernel over (M, C) values: enough to fill the GPU, each thread with
-    at least ROW_MIN_VALUES values, no block without a row. Depends on the shape alone."""
-    return max(1, min(ROW_MAX_BLOCKS, M, -(-M * C // (ROW_THREADS * ROW_MIN_VALUES))))
-
-
-def phase_groups(P: int) -> int:
-    """Groups of PHASE_GROUP blocks that a row kernel of P blocks adds up in phase two's
-    first level: its partials need P + phase_groups(P) rows of C, its counter 1 +
-    phase_groups(P) zeros."""
-    return -(-P // PHASE_GROUP)
-
-
-def segment_partition(S: int) -> int:
-    """Blocks along one sample of a segment reduction: ~16 values per thread, at most 64."""
-    return max(1, min(SEG_MAX_PARTIALS, -(-S // (SEG_THREADS * 16))))
