@@ -1,4 +1,4 @@
-"""The simple kernel set (conv2d/cuda/simple.py), each kernel against the reference function
+"""The simple kernel set (conv2d/cuda/kernels/simple.py), each kernel against the reference function
 it is named after, computed in float64: in numba's CUDA simulator where there is no GPU
 (CI), on the GPU where there is."""
 
@@ -12,7 +12,7 @@ import ml_dtypes  # noqa: E402
 from conv2d import activations  # noqa: E402
 from conv2d.activations import Activation  # noqa: E402
 from conv2d.cuda.runtime import numba_cuda  # noqa: E402
-from conv2d.cuda.simple import grid, simple_set  # noqa: E402
+from conv2d.cuda.kernels.simple import grid, simple_set  # noqa: E402
 from conv2d.reference import conv, norm  # noqa: E402
 
 cuda = numba_cuda()

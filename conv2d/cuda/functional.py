@@ -3,7 +3,7 @@
 object, the same names as `conv2d/reference/functional.py`.
 
 cuDNN (conv2d/cuda/cudnn.py) runs the three convolutions; the numba kernels
-(conv2d/cuda/kernels.py) the norm, activation and bias gradient. Batch statistics are
+(conv2d/cuda/kernels/) the norm, activation and bias gradient. Batch statistics are
 one pass of sums shifted by the channel's first value (sum(z - s), sum((z - s)^2)), where
 the reference takes two passes; both are within the dtype's tolerance of the oracle.
 
@@ -38,7 +38,8 @@ import numpy as np
 
 from conv2d.arrays import CUPY, NUMPY, TORCH, library
 from conv2d.checks import describe, input_spec
-from conv2d.cuda import cudnn, kernels as K, simple
+from conv2d.cuda import cudnn, kernels as K
+from conv2d.cuda.kernels import simple
 from conv2d.cuda.launch import Launch, device_pointer
 from conv2d.cuda.memory import OutputAllocator
 from conv2d.cuda.runtime import (as_stream, device_dtype, device_input, device_view, from_device_bits, numba_cuda,
@@ -155,8 +156,8 @@ class Functions:
         through the frontend's native pointer array (private APIs, `launch.py`,
         `cudnn.Execution`); False takes numba's dispatcher and the frontend's public
         execute, with bitwise the same results (tests/test_cuda.py), for a new numba or
-        frontend whose private API moved. `kernels`: "fast" (kernels.py, fused) or
-        "simple" (simple.py: one plain kernel per reference step, through numba's
+        frontend whose private API moved. `kernels`: "fast" (kernels/fast.py, fused) or
+        "simple" (kernels/simple.py: one plain kernel per reference step, through numba's
         dispatcher; for reading, and for checking a new fast kernel against).
         `launch_config`: the fast kernels' launch settings (kernels.LaunchConfig)."""
         if spec.dtype is DType.FLOAT64:

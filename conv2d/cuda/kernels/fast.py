@@ -1,5 +1,6 @@
-"""numba `@cuda.jit` kernels: norm statistics, norm apply with the activation, the
-activation and norm backward, and the bias and norm-parameter gradients.
+"""The fast kernel set: the steps of simple.py fused where fusion pays. Norm statistics;
+the norm applied with the activation (y); the activation and norm backward writing d_z
+with the bias gradient; the norm-parameter gradients.
 
 Every array is flat and C-ordered: activations are (M, C) with M = N*OH*OW rows and
 C = OC channels (NHWC), a sample is S = OH*OW*OC consecutive values. Storage arrays are
@@ -9,21 +10,28 @@ Reductions are two-phase with a fixed order, so results are bitwise identical ru
 run: phase one gives each block a fixed slice of rows and sums it in a fixed order into
 one partial per (block, group); phase two adds those partials in a fixed order (and, for
 layer norm's per-sample sums, a fixed tree). The partition depends only on the shape,
-the storage format and this module's launch constants.
+the storage format and the launch settings (LaunchConfig).
 The per-value passes are "row kernels" (`rows`): one skeleton that gives each thread a
 fixed lane group of channels (`lanes_for`: 8 bytes of them, read with one load where the
 data is 8-byte aligned) and either sums (statistics, the norm's gradient terms), writes
 y, or writes d_z while summing it for the bias gradient; the channels' norm parameters
 are read once where they do not change with the row (no norm, batch norm), and y and
 d_z written with one 8-byte store a lane group. In a row kernel phase two runs in the
-same launch, in two levels: the last block of each group of PHASE_GROUP blocks (an
+same launch, in two levels: the last block of each group of `phase_group` blocks (an
 atomic ticket) adds the group's partials, the last group adds those, reading them
 coalesced in its own channel layout. Layer norm's per-sample sums keep a separate phase-two launch
 (`partials_final`, `stats_final`).
 
-`kernel_set(storage, activation, norm, lanes, wide)` compiles (once) the kernels for one
-layer kind; the storage format, activation, norm and lane layout are compile-time
-constants of its closures.
+`kernel_set(storage, activation, norm, lanes, wide, config)` compiles (once) the kernels
+for one layer kind; the storage format, activation, norm, lane layout and launch
+settings are compile-time constants of its closures.
+
+Where the simple set has one kernel a step, this set has (reference function -> here):
+statistics + inverse_std + update_running -> rows[SUM_STATS] (batch norm) or
+segment_partials[SUM_STATS] + stats_final (layer norm), running_stats (batch norm, eval);
+activation_input + activation_forward -> rows[WRITE_Y]; param_backward + gradient_means
+-> rows[SUM_GRADS] (+ segment_partials[SUM_GRADS] + partials_final for layer norm);
+activation_backward + backward_*_statistics + to_storage + bias_backward -> rows[WRITE_DZ].
 """
 
 from __future__ import annotations
@@ -35,8 +43,9 @@ from typing import Optional
 
 import numpy as np
 
-from conv2d import activations as act_table
 from conv2d.activations import Activation
+from conv2d.cuda.kernels.activation import ONE, ZERO, activation_functions
+from conv2d.cuda.kernels.bits import load_u64, storage_io, store_u64
 from conv2d.cuda.runtime import numba_cuda, simulating
 from conv2d.spec import Normalization
 
@@ -136,222 +145,6 @@ ACC_NONE, ACC_ADD, ACC_WRITE = 0, 1, 2
 NORM_MODE = {Normalization.NONE: NORM_NONE, Normalization.BATCH_NORM: NORM_BATCH,
              Normalization.LAYER_NORM: NORM_LAYER}
 
-# float32 constants: a bare Python float would promote the arithmetic to float64.
-ZERO, ONE, HALF, TWO, THREE = f32(0), f32(1), f32(0.5), f32(2), f32(3)
-K_TANH = f32(act_table.GELU_TANH_K)
-K_ORIGINAL = f32(act_table.GELU_ORIGINAL_K)
-CUBIC = f32(act_table.GELU_CUBIC)
-CUBIC3 = f32(3 * act_table.GELU_CUBIC)
-CLAMP = f32(act_table.FAST_TANH_CLAMP)
-INV_SQRT2 = f32(act_table.INV_SQRT2)
-INV_SQRT_2PI = f32(act_table.INV_SQRT_2PI)
-F27, F9 = f32(27), f32(9)
-
-
-# bfloat16 <-> float32 bit conversions. On a GPU through libdevice's bit casts; numba's
-# simulator has no libdevice, so there the same conversion goes through NumPy views.
-if simulating():
-    @cuda.jit(device=True)
-    def bf16_to_f32(bits):
-        return np.array([np.uint32(bits) << np.uint32(16)], dtype=np.uint32).view(np.float32)[0]
-
-    @cuda.jit(device=True)
-    def f32_to_bf16(v):
-        if v != v:
-            return np.uint16(0x7FC0)
-        u = int(np.array([v], dtype=np.float32).view(np.uint32)[0])
-        return np.uint16(((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF)
-
-    @cuda.jit(device=True)
-    def load_u64(a, j):
-        item = a.dtype.itemsize
-        return np.ascontiguousarray(a[j * (8 // item):(j + 1) * (8 // item)]).view(np.uint64)[0]
-
-    @cuda.jit(device=True)
-    def f16_bits_to_f32(bits):
-        return np.float32(np.array([bits], dtype=np.uint16).view(np.float16)[0])
-
-    @cuda.jit(device=True)
-    def f32_from_bits(bits):
-        return np.array([bits], dtype=np.uint32).view(np.float32)[0]
-
-    @cuda.jit(device=True)
-    def store_u64(a, j, bits):
-        n = 8 // a.dtype.itemsize
-        a[j * n:(j + 1) * n] = np.array([bits], dtype=np.uint64).view(a.dtype)
-
-    @cuda.jit(device=True)
-    def f16_encode_bits(v):
-        return np.uint32(np.array([np.float16(v)], dtype=np.float16).view(np.uint16)[0])
-
-    @cuda.jit(device=True)
-    def f32_bits(v):
-        return np.uint32(np.array([v], dtype=np.float32).view(np.uint32)[0])
-else:
-    from llvmlite import ir
-    from numba.core import types as nb_types
-    from numba.core.extending import intrinsic
-    from numba.cuda import libdevice
-
-    @intrinsic
-    def _cvt_rn_bf16(typingctx, v):
-        # PTX's own float32 -> bfloat16 conversion (round to nearest even, sm_80+): one
-        # instruction where the bit arithmetic took numba's 64-bit integer promotion and
-        # about 30 more registers a thread in the bfloat16 row kernels.
-        def codegen(context, builder, signature, args):
-            fn = ir.FunctionType(ir.IntType(16), [ir.FloatType()])
-            return builder.call(ir.InlineAsm(fn, "cvt.rn.bf16.f32 $0, $1;", "=h,f"), args)
-        return nb_types.uint16(nb_types.float32), codegen
-
-    @intrinsic
-    def load_u64(typingctx, a, j):
-        # The 8 bytes at byte offset 8 * j of array a's data, one load instruction (the
-        # caller keeps j in range and the data 8-byte aligned).
-        if not isinstance(a, nb_types.Array) or not isinstance(j, nb_types.Integer):
-            return None
-
-        def codegen(context, builder, signature, args):
-            data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
-            index = context.cast(builder, args[1], signature.args[1], nb_types.intp)
-            ptr = builder.gep(builder.bitcast(data, ir.IntType(64).as_pointer()), [index])
-            return builder.load(ptr, align=8)
-        return nb_types.uint64(a, j), codegen
-
-    @intrinsic
-    def store_u64(typingctx, a, j, bits):
-        # Stores the 8 bytes `bits` at byte offset 8 * j of array a's data, one store
-        # instruction (the caller keeps j in range and the data 8-byte aligned).
-        if not isinstance(a, nb_types.Array) or not isinstance(j, nb_types.Integer):
-            return None
-
-        def codegen(context, builder, signature, args):
-            data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
-            index = context.cast(builder, args[1], signature.args[1], nb_types.intp)
-            value = context.cast(builder, args[2], signature.args[2], nb_types.uint64)
-            ptr = builder.gep(builder.bitcast(data, ir.IntType(64).as_pointer()), [index])
-            builder.store(value, ptr, align=8)
-            return context.get_dummy_value()
-        return nb_types.void(a, j, bits), codegen
-
-    @intrinsic
-    def _f16_encode_bits(typingctx, v):
-        # The float16 bits of float32 v, rounded as numba's own float32 -> float16 store
-        # rounds it (the same fptrunc).
-        def codegen(context, builder, signature, args):
-            h = builder.fptrunc(args[0], ir.HalfType())
-            return builder.zext(builder.bitcast(h, ir.IntType(16)), ir.IntType(32))
-        return nb_types.uint32(nb_types.float32), codegen
-
-    @cuda.jit(device=True, inline=True)
-    def f16_encode_bits(v):
-        return _f16_encode_bits(f32(v))
-
-    @cuda.jit(device=True, inline=True)
-    def f32_bits(v):
-        return np.uint32(libdevice.float_as_int(v))
-
-    @intrinsic
-    def _f16_bits_to_f32(typingctx, bits):
-        def codegen(context, builder, signature, args):
-            h = builder.bitcast(builder.trunc(args[0], ir.IntType(16)), ir.HalfType())
-            return builder.fpext(h, ir.FloatType())
-        return nb_types.float32(bits), codegen
-
-    @cuda.jit(device=True, inline=True)
-    def f16_bits_to_f32(bits):
-        return _f16_bits_to_f32(np.uint32(bits))
-
-    @cuda.jit(device=True, inline=True)
-    def f32_from_bits(bits):
-        return libdevice.int_as_float(np.int32(bits))
-
-    @cuda.jit(device=True, inline=True)
-    def bf16_to_f32(bits):
-        return libdevice.int_as_float(np.int32(bits) << np.int32(16))
-
-    @cuda.jit(device=True, inline=True)
-    def f32_to_bf16(v):
-        # NaN as NumPy's and ml_dtypes' casts give it (cvt gives another NaN pattern).
-        if v != v:
-            return np.uint16(0x7FC0)
-        return _cvt_rn_bf16(v)
-
-
-def storage_io(storage: str):
-    """(load, store, stored, part, encode) device functions for a storage format: float32
-    values in and out; `stored(a, i, v)` stores v and returns the value as stored, back in
-    float32; `part(raw, v)` is value v of 8 raw bytes (`load_u64`) as float32;
-    `encode(v)` is (the bits `stored` would store, as uint64; the value as stored)."""
-    if storage == "bfloat16":
-        @cuda.jit(device=True, inline=True)
-        def load(a, i):
-            return bf16_to_f32(a[i])
-
-        @cuda.jit(device=True, inline=True)
-        def store(a, i, v):
-            a[i] = f32_to_bf16(v)
-
-        @cuda.jit(device=True, inline=True)
-        def stored(a, i, v):
-            bits = f32_to_bf16(v)
-            a[i] = bits
-            return bf16_to_f32(bits)
-
-        @cuda.jit(device=True, inline=True)
-        def part(raw, v):
-            return bf16_to_f32(np.uint32((raw >> np.uint64(16 * v)) & np.uint64(0xFFFF)))
-
-        @cuda.jit(device=True, inline=True)
-        def encode(v):
-            bits = f32_to_bf16(v)
-            return np.uint64(bits), bf16_to_f32(bits)
-    elif storage == "float16":
-        @cuda.jit(device=True, inline=True)
-        def load(a, i):
-            return f32(a[i])
-
-        @cuda.jit(device=True, inline=True)
-        def store(a, i, v):
-            a[i] = np.float16(v)
-
-        @cuda.jit(device=True, inline=True)
-        def stored(a, i, v):
-            h = np.float16(v)
-            a[i] = h
-            return f32(h)
-
-        @cuda.jit(device=True, inline=True)
-        def part(raw, v):
-            return f16_bits_to_f32(np.uint32((raw >> np.uint64(16 * v)) & np.uint64(0xFFFF)))
-
-        @cuda.jit(device=True, inline=True)
-        def encode(v):
-            bits = f16_encode_bits(v)
-            return np.uint64(bits), f16_bits_to_f32(bits)
-    else:
-        @cuda.jit(device=True, inline=True)
-        def load(a, i):
-            return f32(a[i])
-
-        @cuda.jit(device=True, inline=True)
-        def store(a, i, v):
-            a[i] = f32(v)
-
-        @cuda.jit(device=True, inline=True)
-        def stored(a, i, v):
-            a[i] = f32(v)
-            return f32(v)
-
-        @cuda.jit(device=True, inline=True)
-        def part(raw, v):
-            return f32_from_bits(np.uint32((raw >> np.uint64(32 * v)) & np.uint64(0xFFFFFFFF)))
-
-        @cuda.jit(device=True, inline=True)
-        def encode(v):
-            return np.uint64(f32_bits(v)), f32(v)
-    return load, store, stored, part, encode
-
-
 def _lanes_in_8_bytes(storage: str) -> int:
     return 8 // np.dtype(np.float32 if storage == "float32" else np.uint16).itemsize
 
@@ -361,57 +154,6 @@ def lanes_for(storage: str, C: int) -> int:
     where C divides into them, else one. Depends on the shape and dtype alone."""
     lanes = _lanes_in_8_bytes(storage)
     return lanes if C % lanes == 0 else 1
-
-
-# The activation table (conv2d/activations.py), one scalar at a time in float32.
-@cuda.jit(device=True, inline=True)
-def _fast_tanh(x):
-    c = min(max(x, -CLAMP), CLAMP)
-    c2 = c * c
-    return c * (F27 + c2) / (F27 + F9 * c2)
-
-
-@cuda.jit(device=True, inline=True)
-def _sigmoid(x):
-    return ONE / (ONE + math.exp(-x))
-
-
-def activation_functions(act: Activation):
-    """(f, f') device functions; f' is taken at the activation's input."""
-    if act is Activation.IDENTITY:
-        def f(x): return x
-        def d(x): return ONE
-    elif act is Activation.RELU:
-        def f(x): return x if (x > ZERO or x != x) else ZERO  # NaN stays NaN, as np.maximum
-        def d(x): return ONE if x > ZERO else ZERO
-    elif act is Activation.TANH:
-        def f(x): return math.tanh(x)
-        def d(x):
-            t = math.tanh(x)
-            return ONE - t * t
-    elif act is Activation.SIGMOID:
-        def f(x): return _sigmoid(x)
-        def d(x):
-            s = _sigmoid(x)
-            return s * (ONE - s)
-    elif act is Activation.FAST_TANH:
-        def f(x): return _fast_tanh(x)
-        def d(x):
-            t = _fast_tanh(x)
-            return ONE - t * t
-    elif act in (Activation.GELU_TANH, Activation.GELU_ORIGINAL):
-        k = K_TANH if act is Activation.GELU_TANH else K_ORIGINAL
-
-        def f(x): return HALF * x * (ONE + math.tanh(k * (x + CUBIC * x * x * x)))
-        def d(x):
-            t = math.tanh(k * (x + CUBIC * x * x * x))
-            return HALF * (ONE + t) + HALF * x * (ONE - t * t) * k * (ONE + CUBIC3 * x * x)
-    elif act is Activation.GELU:
-        def f(x): return HALF * x * (ONE + math.erf(x * INV_SQRT2))
-        def d(x): return HALF * (ONE + math.erf(x * INV_SQRT2)) + x * math.exp(-HALF * x * x) * INV_SQRT_2PI
-    else:
-        raise ValueError(f"activation: unknown {act!r}")
-    return cuda.jit(device=True, inline=True)(f), cuda.jit(device=True, inline=True)(d)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 one thread per value or per reduced group, no tricks.
 
 This is the set a reader learns the CUDA backend from and the one a new kernel is first
-written as; the fast set (`kernels.py`) fuses these steps and is tested against it.
+written as; the fast set (`fast.py`) fuses these steps and is tested against it.
 Every array is flat and C-ordered, in float32 (the compute dtype) except where a kernel
 converts to or from the storage format. Activations are (M, C) values with M = N*OH*OW
 rows and C = OC channels (NHWC). A norm group is a channel for batch norm (G = C groups,
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from conv2d.activations import Activation
-from conv2d.cuda.kernels import activation_functions, storage_io
+from conv2d.cuda.kernels.activation import activation_functions
+from conv2d.cuda.kernels.bits import storage_io
 from conv2d.cuda.runtime import numba_cuda
 
 cuda = numba_cuda()

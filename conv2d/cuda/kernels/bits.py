@@ -1,0 +1,216 @@
+"""bfloat16 and float16 bits on the device, and the load and store of each storage format:
+what every kernel set (fast.py, simple.py) reads and writes values with. Storage arrays
+are float32, float16, or uint16 holding bfloat16 bits; every value is float32 once
+loaded."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from conv2d.cuda.runtime import numba_cuda, simulating
+
+cuda = numba_cuda()
+f32 = np.float32
+
+# bfloat16 <-> float32 bit conversions. On a GPU through libdevice's bit casts; numba's
+# simulator has no libdevice, so there the same conversion goes through NumPy views.
+if simulating():
+    @cuda.jit(device=True)
+    def bf16_to_f32(bits):
+        return np.array([np.uint32(bits) << np.uint32(16)], dtype=np.uint32).view(np.float32)[0]
+
+    @cuda.jit(device=True)
+    def f32_to_bf16(v):
+        if v != v:
+            return np.uint16(0x7FC0)
+        u = int(np.array([v], dtype=np.float32).view(np.uint32)[0])
+        return np.uint16(((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF)
+
+    @cuda.jit(device=True)
+    def load_u64(a, j):
+        item = a.dtype.itemsize
+        return np.ascontiguousarray(a[j * (8 // item):(j + 1) * (8 // item)]).view(np.uint64)[0]
+
+    @cuda.jit(device=True)
+    def f16_bits_to_f32(bits):
+        return np.float32(np.array([bits], dtype=np.uint16).view(np.float16)[0])
+
+    @cuda.jit(device=True)
+    def f32_from_bits(bits):
+        return np.array([bits], dtype=np.uint32).view(np.float32)[0]
+
+    @cuda.jit(device=True)
+    def store_u64(a, j, bits):
+        n = 8 // a.dtype.itemsize
+        a[j * n:(j + 1) * n] = np.array([bits], dtype=np.uint64).view(a.dtype)
+
+    @cuda.jit(device=True)
+    def f16_encode_bits(v):
+        return np.uint32(np.array([np.float16(v)], dtype=np.float16).view(np.uint16)[0])
+
+    @cuda.jit(device=True)
+    def f32_bits(v):
+        return np.uint32(np.array([v], dtype=np.float32).view(np.uint32)[0])
+else:
+    from llvmlite import ir
+    from numba.core import types as nb_types
+    from numba.core.extending import intrinsic
+    from numba.cuda import libdevice
+
+    @intrinsic
+    def _cvt_rn_bf16(typingctx, v):
+        # PTX's own float32 -> bfloat16 conversion (round to nearest even, sm_80+): one
+        # instruction where the bit arithmetic took numba's 64-bit integer promotion and
+        # about 30 more registers a thread in the bfloat16 row kernels.
+        def codegen(context, builder, signature, args):
+            fn = ir.FunctionType(ir.IntType(16), [ir.FloatType()])
+            return builder.call(ir.InlineAsm(fn, "cvt.rn.bf16.f32 $0, $1;", "=h,f"), args)
+        return nb_types.uint16(nb_types.float32), codegen
+
+    @intrinsic
+    def load_u64(typingctx, a, j):
+        # The 8 bytes at byte offset 8 * j of array a's data, one load instruction (the
+        # caller keeps j in range and the data 8-byte aligned).
+        if not isinstance(a, nb_types.Array) or not isinstance(j, nb_types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
+            index = context.cast(builder, args[1], signature.args[1], nb_types.intp)
+            ptr = builder.gep(builder.bitcast(data, ir.IntType(64).as_pointer()), [index])
+            return builder.load(ptr, align=8)
+        return nb_types.uint64(a, j), codegen
+
+    @intrinsic
+    def store_u64(typingctx, a, j, bits):
+        # Stores the 8 bytes `bits` at byte offset 8 * j of array a's data, one store
+        # instruction (the caller keeps j in range and the data 8-byte aligned).
+        if not isinstance(a, nb_types.Array) or not isinstance(j, nb_types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
+            index = context.cast(builder, args[1], signature.args[1], nb_types.intp)
+            value = context.cast(builder, args[2], signature.args[2], nb_types.uint64)
+            ptr = builder.gep(builder.bitcast(data, ir.IntType(64).as_pointer()), [index])
+            builder.store(value, ptr, align=8)
+            return context.get_dummy_value()
+        return nb_types.void(a, j, bits), codegen
+
+    @intrinsic
+    def _f16_encode_bits(typingctx, v):
+        # The float16 bits of float32 v, rounded as numba's own float32 -> float16 store
+        # rounds it (the same fptrunc).
+        def codegen(context, builder, signature, args):
+            h = builder.fptrunc(args[0], ir.HalfType())
+            return builder.zext(builder.bitcast(h, ir.IntType(16)), ir.IntType(32))
+        return nb_types.uint32(nb_types.float32), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def f16_encode_bits(v):
+        return _f16_encode_bits(f32(v))
+
+    @cuda.jit(device=True, inline=True)
+    def f32_bits(v):
+        return np.uint32(libdevice.float_as_int(v))
+
+    @intrinsic
+    def _f16_bits_to_f32(typingctx, bits):
+        def codegen(context, builder, signature, args):
+            h = builder.bitcast(builder.trunc(args[0], ir.IntType(16)), ir.HalfType())
+            return builder.fpext(h, ir.FloatType())
+        return nb_types.float32(bits), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def f16_bits_to_f32(bits):
+        return _f16_bits_to_f32(np.uint32(bits))
+
+    @cuda.jit(device=True, inline=True)
+    def f32_from_bits(bits):
+        return libdevice.int_as_float(np.int32(bits))
+
+    @cuda.jit(device=True, inline=True)
+    def bf16_to_f32(bits):
+        return libdevice.int_as_float(np.int32(bits) << np.int32(16))
+
+    @cuda.jit(device=True, inline=True)
+    def f32_to_bf16(v):
+        # NaN as NumPy's and ml_dtypes' casts give it (cvt gives another NaN pattern).
+        if v != v:
+            return np.uint16(0x7FC0)
+        return _cvt_rn_bf16(v)
+
+
+def storage_io(storage: str):
+    """(load, store, stored, part, encode) device functions for a storage format: float32
+    values in and out; `stored(a, i, v)` stores v and returns the value as stored, back in
+    float32; `part(raw, v)` is value v of 8 raw bytes (`load_u64`) as float32;
+    `encode(v)` is (the bits `stored` would store, as uint64; the value as stored)."""
+    if storage == "bfloat16":
+        @cuda.jit(device=True, inline=True)
+        def load(a, i):
+            return bf16_to_f32(a[i])
+
+        @cuda.jit(device=True, inline=True)
+        def store(a, i, v):
+            a[i] = f32_to_bf16(v)
+
+        @cuda.jit(device=True, inline=True)
+        def stored(a, i, v):
+            bits = f32_to_bf16(v)
+            a[i] = bits
+            return bf16_to_f32(bits)
+
+        @cuda.jit(device=True, inline=True)
+        def part(raw, v):
+            return bf16_to_f32(np.uint32((raw >> np.uint64(16 * v)) & np.uint64(0xFFFF)))
+
+        @cuda.jit(device=True, inline=True)
+        def encode(v):
+            bits = f32_to_bf16(v)
+            return np.uint64(bits), bf16_to_f32(bits)
+    elif storage == "float16":
+        @cuda.jit(device=True, inline=True)
+        def load(a, i):
+            return f32(a[i])
+
+        @cuda.jit(device=True, inline=True)
+        def store(a, i, v):
+            a[i] = np.float16(v)
+
+        @cuda.jit(device=True, inline=True)
+        def stored(a, i, v):
+            h = np.float16(v)
+            a[i] = h
+            return f32(h)
+
+        @cuda.jit(device=True, inline=True)
+        def part(raw, v):
+            return f16_bits_to_f32(np.uint32((raw >> np.uint64(16 * v)) & np.uint64(0xFFFF)))
+
+        @cuda.jit(device=True, inline=True)
+        def encode(v):
+            bits = f16_encode_bits(v)
+            return np.uint64(bits), f16_bits_to_f32(bits)
+    else:
+        @cuda.jit(device=True, inline=True)
+        def load(a, i):
+            return f32(a[i])
+
+        @cuda.jit(device=True, inline=True)
+        def store(a, i, v):
+            a[i] = f32(v)
+
+        @cuda.jit(device=True, inline=True)
+        def stored(a, i, v):
+            a[i] = f32(v)
+            return f32(v)
+
+        @cuda.jit(device=True, inline=True)
+        def part(raw, v):
+            return f32_from_bits(np.uint32((raw >> np.uint64(32 * v)) & np.uint64(0xFFFFFFFF)))
+
+        @cuda.jit(device=True, inline=True)
+        def encode(v):
+            return np.uint64(f32_bits(v)), f32(v)
+    return load, store, stored, part, encode
