@@ -187,10 +187,11 @@ def test_torch_tensors_are_used_without_a_copy(dtype):
 @pytest.mark.parametrize("shape", [(4, 12, 10, 5), (7,)], ids=["4d", "1d"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_fast_view_of_a_torch_tensor_is_numbas_public_view(dtype, shape):
-    """runtime.tensor_view builds numba's array directly (private classes); it must be what
+    """private.tensor_view builds numba's array directly (private classes); it must be what
     numba's public from_cuda_array_interface gives, field for field and in the bits read."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
-    from conv2d.cuda.runtime import interface_view, numba_cuda, tensor_view
+    from conv2d.cuda.private import interface_view, tensor_view
+    from conv2d.cuda.runtime import numba_cuda
 
     cuda = numba_cuda()
     t = torch_cuda(torch, np.random.default_rng(0).standard_normal(shape), dtype)

@@ -124,8 +124,6 @@ class Execution:
     """
 
     def __init__(self, graph: Graph, handle: Any, workspace_ptr: int, native: bool = True) -> None:
-        import ctypes
-
         self.graph = graph
         self._handle = handle
         self._workspace = workspace_ptr
@@ -139,20 +137,11 @@ class Execution:
         try:
             if not native:
                 raise LookupError("the public execute was asked for")
-            from cudnn._handle import to_backend_handle
+            from conv2d.cuda.private import native_execute
 
-            g = graph.graph
-            if getattr(g, "selected_engine", None) is not None:
-                raise LookupError("the plan is one of the frontend's Python engines, not a backend plan")
-            order = [int(u) for u in g._variant_pack_uids()]
-            if sorted(order) != sorted(uids):
-                raise LookupError("the graph's variant pack has other tensors")
-            cfg = g._materialize_backend_plan(g._plan_index) if g._plans else None
-            cpp_index = -1 if cfg is None or cfg.cpp_index is None else int(cfg.cpp_index)
-            self._array = (ctypes.c_void_p * len(order))()
-            self._slot = {r: order.index(graph.tensors[r].uid) for r in roles}
-            self._native = (g._lowered_graph._execute_with_raw_ptrs, ctypes.addressof(self._array), len(order),
-                            workspace_ptr, to_backend_handle(handle) or 0, cpp_index)
+            entry, args, self._array, self._slot = native_execute(graph.graph, dict(zip(roles, uids)), handle,
+                                                                  workspace_ptr)
+            self._native = (entry, *args)
         except Exception:  # another frontend version: its public ordered execute
             self._native = None
 

@@ -3,8 +3,8 @@
 A launch through numba's dispatcher costs 25-50 us of host time (it types every
 argument, picks the overload and packs the arguments anew); a layer launches the same
 kernels on the same buffers every step. `Launch` does that work once: it compiles the
-kernel for its arguments, lets numba pack them (`_Kernel._prepare_args`, so the layout
-is numba's own), keeps the packed values in ctypes slots, and launches with
+kernel for its arguments, lets numba pack them (private.packed_launch, so the layout is
+numba's own), keeps the packed values in ctypes slots, and launches with
 `cuLaunchKernel` on those slots. Arguments are named as the kernel names its parameters;
 one that changes between calls (the caller's input, a fresh output) is passed by name to
 the call, which rewrites its slot (nothing, when it is the array already there).
@@ -18,8 +18,6 @@ from __future__ import annotations
 import ctypes
 import inspect
 from typing import Any, Mapping
-
-import numpy as np
 
 from conv2d.cuda.runtime import simulating
 
@@ -69,41 +67,17 @@ class Launch:
     def _prepare(self) -> None:
         from cuda.bindings import driver
 
-        kernel = self.kernel
-        argtypes = tuple(kernel.typeof_pyval(a) for a in self.args)
-        compiled = kernel.compile(argtypes)
-        compiled.bind()
-        packed, starts, retr = [], [], []
-        for ty, value in zip(compiled.argument_types, self.args):
-            starts.append(len(packed))
-            compiled._prepare_args(ty, value, self.stream, retr, packed)
-        slots = []
-        for v in packed:
-            if isinstance(v, (bool, np.bool_)):
-                slots.append(ctypes.c_bool(bool(v)))
-            elif isinstance(v, int):
-                slots.append(ctypes.c_int64(v))  # numba passes array fields as intptr_t
-            elif isinstance(v, ctypes._SimpleCData):
-                slots.append(v)
-            else:
-                return  # a type this packing does not know: keep the dispatcher
-        # Where each argument's value lives: an array's data pointer is the fifth of its
-        # fields (meminfo, parent, nitems, itemsize, data, shape..., strides...); checked
-        # against the array itself, and the dispatcher kept if numba's layout differs.
-        self._slot = []
-        for i, a in enumerate(self.args):
-            if hasattr(a, "device_ctypes_pointer"):
-                k = starts[i] + 4
-                if slots[k].value != device_pointer(a):
-                    return
-            else:
-                k = starts[i]
-            self._slot.append(k)
+        from conv2d.cuda.private import packed_launch
+
+        packed = packed_launch(self.kernel, self.args, self.stream)
+        if packed is None:
+            return  # numba packed these arguments in a way the packing does not know: keep the dispatcher
+        slots, self._slot, function = packed
         self._slots = slots
         self._params = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(s) for s in slots])
         self._driver = driver
-        self._function = driver.CUfunction(int(compiled._codelibrary.get_cufunc().handle))
-        self._name = getattr(kernel, "__name__", "kernel")
+        self._function = driver.CUfunction(function)
+        self._name = getattr(self.kernel, "__name__", "kernel")
         self.set_stream(self.stream)
 
     @property

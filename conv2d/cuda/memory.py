@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from conv2d.checks import c_contiguous_strides
+from conv2d.cuda.private import array_over
 from conv2d.cuda.runtime import simulating
 
 
@@ -31,11 +31,6 @@ class OutputAllocator:
         self._free: dict[int, list] = {}  # bytes -> blocks (uint8 device arrays) not in use
         self._cached = not simulating()
         if self._cached:
-            from numba.cuda.cudadrv import devicearray
-            from numba.cuda.cudadrv import driver as numba_driver
-
-            self._devicearray = devicearray
-            self._memory_pointer = numba_driver.MemoryPointer
             self._context = cuda.current_context()
 
     def array(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
@@ -46,10 +41,8 @@ class OutputAllocator:
         nbytes = math.prod(shape) * dtype.itemsize  # math.prod: np.prod costs microseconds a call
         free = self._free.setdefault(nbytes, [])
         block = free.pop() if free else self.cuda.device_array(max(nbytes, 1), np.uint8, stream=self.stream)
-        memory = self._memory_pointer(self._context, block.gpu_data.device_pointer, nbytes,
-                                      finalizer=_Return(free, block))
-        return self._devicearray.DeviceNDArray(shape, c_contiguous_strides(shape, dtype.itemsize), dtype,
-                                               stream=self.stream, gpu_data=memory)
+        return array_over(self._context, int(block.gpu_data.device_pointer), shape, dtype, stream=self.stream,
+                          finalizer=_Return(free, block))
 
 
 class _Return:

@@ -162,6 +162,8 @@ def device_view(cuda, name: str, a: Any, dtype: DType, shape: tuple[int, ...] | 
             raise TypeError(f"{name}: expected dtype {st}, got {describe(a)} (nothing is cast silently)")
         if not a.is_contiguous():
             raise ValueError(f"{name}: expected a C-contiguous array, got strides {tuple(a.stride())} (elements)")
+        from conv2d.cuda.private import tensor_view
+
         return tensor_view(cuda, a, (size,) if flat else got_shape, np.dtype(typestr))
     if hasattr(a, "__cuda_array_interface__"):
         iface = a.__cuda_array_interface__
@@ -175,41 +177,6 @@ def device_view(cuda, name: str, a: Any, dtype: DType, shape: tuple[int, ...] | 
         return view.reshape(size) if flat and view.ndim != 1 else view
     raise TypeError(f"{name}: expected a numpy.ndarray or a device array with __cuda_array_interface__, "
                     f"got {describe(a)}")
-
-
-# numba's public import (`from_cuda_array_interface`) checks the current context on every
-# call through its thread-local cache, which is empty in threads numba did not start:
-# measured on the H200, 11-14 us a tensor on the main thread, and the autograd engine's
-# CUDA thread (where a module's backward runs) paid far more (a module step took 1.9 ms
-# against 0.2 ms for the layer on numba arrays). A torch tensor's memory is in the
-# primary context of its device, so its view is built from that context, looked up once
-# a device. numba's array and pointer classes are the private API used here;
-# `interface_view` is the public path it must agree with (tests/test_cuda.py).
-_CONTEXTS: dict[int, Any] = {}
-
-
-def tensor_view(cuda, t: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-    """A numba device array of `shape` and `dtype` (C-contiguous) over the memory of the
-    torch CUDA tensor t (kept alive by the array), no copy and no driver call."""
-    from numba.cuda.cudadrv import devicearray
-    from numba.cuda.cudadrv import driver as numba_driver
-
-    device = t.get_device()
-    context = _CONTEXTS.get(device)
-    if context is None:
-        context = _CONTEXTS[device] = cuda.gpus[device].get_primary_context()
-    nbytes = math.prod(shape) * dtype.itemsize
-    memory = numba_driver.MemoryPointer(context, numba_driver.binding.CUdeviceptr(t.data_ptr()), nbytes, owner=t)
-    return devicearray.DeviceNDArray(shape, c_contiguous_strides(shape, dtype.itemsize), dtype, stream=0,
-                                     gpu_data=memory)
-
-
-def interface_view(cuda, t: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-    """`tensor_view` through numba's public `from_cuda_array_interface` (slower; the
-    reference the fast view is tested against)."""
-    iface = {"shape": tuple(shape), "typestr": dtype.str, "data": (t.data_ptr(), False), "version": 2,
-             "strides": None}
-    return cuda.from_cuda_array_interface(iface, owner=t, sync=False)
 
 
 def device_input(cuda, name: str, a: Any, shape: tuple[int, ...], dtype: DType, stream) -> Any:
