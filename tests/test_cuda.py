@@ -547,14 +547,14 @@ def test_torch_tensors_run_on_torchs_current_stream():
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         y = layer.forward(xt)
-        assert stream_handle(layer.functions._current) == side.cuda_stream
+        assert stream_handle(layer.functions.current_stream) == side.cuda_stream
         d_x = layer.backward_full(xt, dyt)
     side.synchronize()
     want = step(make_layer(spec, backend="cuda"), x, dy)
     np.testing.assert_array_equal(as_numpy(y), want[0])
     np.testing.assert_array_equal(as_numpy(d_x), want[1])
     layer.forward(x)  # a NumPy input goes back to the layer's own stream
-    assert layer.functions._current is layer.functions.stream
+    assert layer.functions.current_stream is layer.functions.stream
 
 
 def test_cupy_arrays_give_cupy_arrays_and_numba_arrays_numba_arrays():
@@ -616,7 +616,7 @@ def test_a_frozen_layer_refuses_a_backward_of_an_overwritten_forward():
     xd, dyd = cuda.to_device(x), cuda.to_device(dy)
     layer.freeze()
     fn = layer.functions
-    params = {k: v for k, v in layer._params.items()}
+    params = layer.parameters()
     _, first = fn.forward(params, xd, True)
     fn.forward(params, xd, True)
     with pytest.raises(RuntimeError, match="overwrote this forward's saved values"):

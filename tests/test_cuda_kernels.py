@@ -284,3 +284,21 @@ def test_a_layer_with_other_launch_settings_matches_the_reference():
     np.testing.assert_allclose(y, want, rtol=2e-2, atol=2e-2)
     dx, want_dx = as_numpy(ours.backward_full(x, dy)).astype(np.float32), ref.backward_full(x, dy).astype(np.float32)
     np.testing.assert_allclose(dx, want_dx, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("norm", ["batch_norm", "layer_norm"])
+def test_the_fast_statistics_are_the_simple_ones(norm):
+    """The statistics step alone: the fast kernels' one shifted pass and the simple
+    kernels' two passes give the same mean and inv_std within float32 rounding, on values
+    with a large offset (where an unshifted one-pass variance would cancel)."""
+    spec = LayerSpec(batch_size=3, in_height=6, in_width=5, in_channels=3, out_channels=4, kernel=3, padding=1,
+                     activation="relu", normalization=norm, dtype="float32")
+    x, _ = random_inputs(spec)
+    x = (x + 50.0).astype(np.float32)
+    saved = {}
+    for kernels in ("simple", "fast"):
+        layer = make_layer(spec, backend="cuda", convolutions=HostConvolutions, kernels=kernels)
+        _, s = layer.functions.forward(layer.parameters(), x, True)
+        saved[kernels] = (s.mean.copy_to_host(), s.inv_std.copy_to_host())
+    for got, want, name in zip(saved["fast"], saved["simple"], ("mean", "inv_std")):
+        np.testing.assert_allclose(got, want, rtol=1e-4, err_msg=name)

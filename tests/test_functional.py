@@ -272,8 +272,9 @@ def test_torch_cpu_tensors_through_the_reference_give_torch_tensors_without_copi
     dyt = torch.from_numpy(dy.astype(np.float32)).to(tdt)
     y = layer.forward(xt)
     assert isinstance(y, torch.Tensor) and y.dtype == tdt and tuple(y.shape) == spec.at(3).output_shape
-    saved_x = layer._saved.x
-    assert saved_x.__array_interface__["data"][0] == xt.data_ptr()  # the input was viewed, not copied
+    params = {k: v for k, v in layer.state_dict().items() if k not in RUNNING}
+    _, saved = layer.functions.forward(params, xt, False, {k: layer.state_dict()[k] for k in RUNNING})
+    assert saved.x.__array_interface__["data"][0] == xt.data_ptr()  # the input was viewed, not copied
     d_x = layer.backward_full(xt, dyt)
     assert isinstance(d_x, torch.Tensor) and d_x.dtype == tdt and tuple(d_x.shape) == tuple(xt.shape)
     ref = make_layer(spec)
