@@ -66,6 +66,15 @@ def _group(i, C, S, layer):
     return i // S if layer else i % C
 
 
+@cuda.jit(device=True, inline=True)
+def _members(g, C, S, layer, total):
+    """(first, count, step): group g's values are first + k * step for k < count, over
+    `total` values: a sample's S consecutive values, or a channel's every C-th."""
+    if layer:
+        return g * S, S, 1
+    return g, total // C, C
+
+
 @functools.lru_cache(maxsize=None)
 def simple_set(storage: str, activation: Activation) -> SimpleSet:
     """The simple kernels for values stored as `storage` ("float32", "float16", "bfloat16")
@@ -94,10 +103,7 @@ def simple_set(storage: str, activation: Activation) -> SimpleSet:
         g = cuda.grid(1)
         if g >= mean.size:
             return
-        if layer:
-            first, count, step = g * S, S, 1
-        else:
-            first, count, step = g, z.size // C, C
+        first, count, step = _members(g, C, S, layer, z.size)
         total = ZERO
         for k in range(count):
             total += z[first + k * step]
@@ -172,10 +178,7 @@ def simple_set(storage: str, activation: Activation) -> SimpleSet:
         grp = cuda.grid(1)
         if grp >= mean_g.size:
             return
-        if layer:
-            first, count, step = grp * S, S, 1
-        else:
-            first, count, step = grp, d_a.size // C, C
+        first, count, step = _members(grp, C, S, layer, d_a.size)
         s = ZERO
         sx = ZERO
         for k in range(count):
