@@ -302,3 +302,28 @@ def test_the_fast_statistics_are_the_simple_ones(norm):
         saved[kernels] = (s.mean.copy_to_host(), s.inv_std.copy_to_host())
     for got, want, name in zip(saved["fast"], saved["simple"], ("mean", "inv_std")):
         np.testing.assert_allclose(got, want, rtol=1e-4, err_msg=name)
+
+
+def test_the_cuda_bias_gradient_sums_d_z_as_stored_like_the_reference():
+    """Both backends sum d_z rounded to bfloat16 for the bias gradient. Against the
+    reference's sum, the CUDA backend's differs only by its summation order (a float32
+    rounding, so at most a channel or two one bfloat16 step apart); against a sum of the
+    unrounded d_z it differs in many channels, so the test tells the two rules apart."""
+    from conv2d.reference.functional import grad_pre_activations
+
+    spec = LayerSpec(batch_size=2, in_height=16, in_width=16, in_channels=2, out_channels=64, kernel=1,
+                     activation="tanh", normalization="none", dtype="bfloat16")
+    x, dy = random_inputs(spec)
+    ref = make_layer(spec)
+    params = {k: v for k, v in ref.state_dict().items()}
+    _, saved = ref.functions.forward(params, x, True)
+    grads, _ = ref.functions.backward(params, saved, dy)
+    d_z, _ = grad_pre_activations(params, saved, dy)
+    unrounded = d_z.reshape(-1, spec.out_channels).sum(axis=0).astype(ml_dtypes.bfloat16)
+    ours = cuda_layer(spec)
+    ours.load_state_dict(ref.state_dict())
+    ours.forward(x)
+    ours.backward_full(x, dy)
+    got = ours.grad_dict()["bias"]
+    assert np.count_nonzero(got != grads["bias"]) <= 2
+    assert np.count_nonzero(got != unrounded) >= 8
