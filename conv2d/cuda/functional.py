@@ -397,6 +397,8 @@ class Functions:
         `narrow`: one load a value (for inputs that are not 8-byte aligned)."""
         launch = plan.launches.get((key, narrow))
         if launch is None:
+            # The row kernel is one skeleton for four jobs with one signature: what a job
+            # does not read or write is the layer's one-element dummy array.
             s, d = self.spec, self._dummy
             counter = self.cuda.to_device(np.zeros(1 + self.config.phase_groups(plan.P), np.int32),
                                           stream=self._current)
@@ -440,7 +442,9 @@ class Functions:
     # Forward -------------------------------------------------------------------------------
     def _statistics(self, plan: _Plan, p: dict, r: dict | None, z: Any, stats: tuple, training: bool,
                     keep: Any) -> bool:
-        """Fill stats = (mean, inv_std) from z; returns whether they came from the batch."""
+        """Fill stats = (mean, inv_std) from z, updating the running statistics in a
+        training batch norm; returns whether they came from the batch (reference:
+        _statistics)."""
         s, norm, d = self.spec, self.spec.normalization, self._dummy
         mean, inv_std = stats
         if norm is Normalization.NONE:
@@ -467,17 +471,29 @@ class Functions:
                      z=z, mean=mean, inv_std=inv_std)
         return True
 
+    def _pre_activations(self, plan: _Plan, p: dict, x: Any, z: Any) -> None:
+        """z = conv(x, W) + b (cuDNN), stored (reference: _pre_activations)."""
+        plan.conv.forward(x, p["weights"], p.get("bias"), z)
+
+    def _activation(self, plan: _Plan, p: dict, z: Any, y: Any, stats: tuple, keep: Any) -> None:
+        """y = act(gamma * (z - mean) * inv_std + beta), or act(z) without a norm, stored
+        (reference: _activation_input and activations.forward), one row kernel."""
+        mean, inv_std = stats
+        self._rows(plan, ("apply", keep), K.WRITE_Y, z=z, out=y, mean=mean, inv_std=inv_std, **self._norm(p))
+
     def _run(self, plan: _Plan, p: dict, r: dict | None, x: Any, y: Any, buffers: tuple, training: bool,
              keep: Any) -> bool:
-        # `keep` names the launches: False for evaluate's scratch, ("keep", slot) for a
-        # forward's saved buffers (each set its own launches).
+        """The forward's steps, as the reference's forward: pre-activations, statistics,
+        activation; returns whether the statistics came from the batch. `keep` names the
+        launches: False for evaluate's scratch, ("keep", slot) for a forward's saved
+        buffers (each set its own launches)."""
         z, mean, inv_std = buffers
-        plan.conv.forward(x, p["weights"], p.get("bias"), z)
+        self._pre_activations(plan, p, x, z)
         if self.kernels == "simple":
             return simple.forward_steps(self.simple, self.spec, (plan.M, plan.C, plan.S, plan.groups), plan.scratch,
                                         p, r, z, y, mean, inv_std, training, self._current)
         from_batch = self._statistics(plan, p, r, z, (mean, inv_std), training, keep)
-        self._rows(plan, ("apply", keep), K.WRITE_Y, z=z, out=y, mean=mean, inv_std=inv_std, **self._norm(p))
+        self._activation(plan, p, z, y, (mean, inv_std), keep)
         return from_batch
 
     def _saved_arrays(self, plan: _Plan, pre: Any, mean: Any, inv_std: Any) -> tuple:
