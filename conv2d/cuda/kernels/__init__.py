@@ -14,9 +14,9 @@ The names below are what the backend, the optimizer, the tests and the scripts u
 from conv2d.cuda.kernels.activation import activation_functions
 from conv2d.cuda.kernels.bits import bf16_to_f32, f32_to_bf16, storage_io
 from conv2d.cuda.kernels.fast import (
-    DEFAULT_CONFIG, MAX_LANES, ROW_THREADS, SEG_THREADS, SUM_GRADS, SUM_STATS, WARP, WRITE_DZ, WRITE_Y, KernelSet,
+    ACC_ADD, ACC_NONE, ACC_WRITE, DEFAULT_CONFIG, MAX_LANES, ROW_THREADS, SEG_THREADS, SUM_GRADS, SUM_STATS, WARP, WRITE_DZ, WRITE_Y, KernelSet,
     LaunchConfig, elementwise_grid, kernel_set, lanes_for, small_grid)
 
-__all__ = ["activation_functions", "bf16_to_f32", "f32_to_bf16", "storage_io", "DEFAULT_CONFIG", "MAX_LANES",
+__all__ = ["ACC_ADD", "ACC_NONE", "ACC_WRITE", "activation_functions", "bf16_to_f32", "f32_to_bf16", "storage_io", "DEFAULT_CONFIG", "MAX_LANES",
            "ROW_THREADS", "SEG_THREADS", "SUM_GRADS", "SUM_STATS", "WARP", "WRITE_DZ", "WRITE_Y", "KernelSet",
            "LaunchConfig", "elementwise_grid", "kernel_set", "lanes_for", "small_grid"]
