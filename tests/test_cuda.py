@@ -425,6 +425,30 @@ def test_a_replay_reads_new_values_written_into_the_captured_inputs():
     np.testing.assert_array_equal(as_numpy(graph.outputs["y"]), want)
 
 
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("norm", ["none", "batch_norm"])
+def test_the_direct_evaluate_kernel_on_the_gpu_repeats_bitwise_captures_and_agrees_with_cudnn(norm, dtype):
+    """evaluate_kernel="direct": at N = 1 and at the planned batch, two calls give the same
+    bits, a captured evaluate replays them, and the result is the cuDNN path's within
+    storage rounding."""
+    spec = spec_for("gelu", norm, dtype)
+    x, dy = random_inputs(spec)
+    direct, default = make_layer(spec, backend="cuda", evaluate_kernel="direct"), make_layer(spec, backend="cuda")
+    st = storage_dtype(spec.dtype)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for batch in (x[:1], x):
+        first = as_numpy(direct.evaluate(batch), st).copy()
+        np.testing.assert_array_equal(as_numpy(direct.evaluate(batch), st).view(np.uint8), first.view(np.uint8))
+        np.testing.assert_allclose(first.astype(np.float64), as_numpy(default.evaluate(batch), st).astype(np.float64),
+                                   rtol=tol, atol=tol)
+    xc, _ = _device_pair(spec, x, dy)
+    graph = direct.capture_evaluate(xc)
+    graph.replay()
+    np.testing.assert_array_equal(as_numpy(graph.outputs["y"], st).view(np.uint8),
+                                  as_numpy(make_layer(spec, backend="cuda", evaluate_kernel="direct").evaluate(x),
+                                           st).view(np.uint8))
+
+
 def test_capture_refuses_host_arrays_and_the_reference_backend():
     spec = spec_for("relu", "none")
     x, dy = random_inputs(spec)

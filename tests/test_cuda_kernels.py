@@ -327,3 +327,35 @@ def test_the_cuda_bias_gradient_sums_d_z_as_stored_like_the_reference():
     got = ours.grad_dict()["bias"]
     assert np.count_nonzero(got != grads["bias"]) <= 2
     assert np.count_nonzero(got != unrounded) >= 8
+
+
+DIRECT_CASES = [("relu", "none", "float32", 1, 1), ("gelu", "batch_norm", "float32", 2, 0),
+                ("tanh", "batch_norm", "bfloat16", 1, 1), ("sigmoid", "none", "float16", 2, 2)]
+
+
+@pytest.mark.parametrize("act, norm, dtype, stride, padding", DIRECT_CASES, ids=["-".join(map(str, c))
+                                                                                  for c in DIRECT_CASES])
+def test_the_direct_evaluate_kernel_agrees_with_the_reference_and_the_cudnn_path(act, norm, dtype, stride,
+                                                                                    padding):
+    """evaluate_kernel="direct" (convolution, norm and activation in one kernel) gives the
+    reference's evaluate, and the default path's, within storage rounding; at N = 1 and
+    at the planned batch."""
+    spec = LayerSpec(batch_size=3, in_height=7, in_width=6, in_channels=3, out_channels=4, kernel=3, stride=stride,
+                     padding=padding, activation=act, normalization=norm, dtype=dtype)
+    direct = cuda_layer(spec, evaluate_kernel="direct")
+    default, ref = cuda_layer(spec), make_layer(spec, backend="reference")
+    x, _ = random_inputs(spec)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for batch in (x[:1], x):
+        got = as_numpy(direct.evaluate(batch)).astype(np.float64)
+        for other in (ref.evaluate(batch), as_numpy(default.evaluate(batch))):
+            np.testing.assert_allclose(got, np.asarray(other, np.float64), rtol=tol, atol=tol)
+
+
+def test_the_direct_evaluate_kernel_refuses_layer_norm():
+    spec = LayerSpec(batch_size=2, in_height=4, in_width=4, in_channels=2, out_channels=3, kernel=3,
+                     normalization="layer_norm")
+    with pytest.raises(ValueError, match="^evaluate_kernel: 'direct' takes no norm or batch norm"):
+        Conv2d(spec, "cuda", evaluate_kernel="direct", convolutions=HostConvolutions)
+    with pytest.raises(ValueError, match="^evaluate_kernel: expected 'cudnn' or 'direct', got 'fused'"):
+        Conv2d(spec, "cuda", evaluate_kernel="fused", convolutions=HostConvolutions)

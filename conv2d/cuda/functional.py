@@ -144,7 +144,7 @@ class Functions:
     def __init__(self, spec: LayerSpec, stream: Any = None, allow_tf32: bool = False, autotune: bool = False,
                  convolutions: Callable[[LayerSpec], Any] | None = None, max_shapes: int = 8,
                  fast_paths: bool = True, kernels: str = "fast",
-                 launch_config: K.LaunchConfig = K.DEFAULT_CONFIG) -> None:
+                 launch_config: K.LaunchConfig = K.DEFAULT_CONFIG, evaluate_kernel: str = "cudnn") -> None:
         """`stream`: the caller's stream (numba, torch or cupy stream, or a CUstream int);
         by default a new one, and torch's current stream for torch tensors. `allow_tf32`:
         let float32 convolutions use TF32 tensor cores. `autotune`: time every
@@ -159,13 +159,23 @@ class Functions:
         frontend whose private API moved. `kernels`: "fast" (kernels/fast.py, fused) or
         "simple" (kernels/simple.py: one plain kernel per reference step, through numba's
         dispatcher; for reading, and for checking a new fast kernel against).
-        `launch_config`: the fast kernels' launch settings (kernels.LaunchConfig)."""
+        `launch_config`: the fast kernels' launch settings (kernels.LaunchConfig).
+        `evaluate_kernel`: "cudnn" (the convolution through cuDNN, then the norm and
+        activation kernels) or "direct" (one kernel that sums the convolution itself and
+        applies the norm and activation: for acting at small N, where launches and cuDNN's
+        execute cost more than the math; no norm or batch norm). The two agree within the
+        tolerance, not bitwise (another summation order); each is deterministic."""
         if spec.dtype is DType.FLOAT64:
             raise ValueError("dtype: float64 is the reference backend's oracle type; the CUDA backend takes "
                              "float32, float16 or bfloat16")
         for name, value in (("allow_tf32", allow_tf32), ("autotune", autotune), ("fast_paths", fast_paths)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name}: expected a bool, got {value!r}")
+        if evaluate_kernel not in ("cudnn", "direct"):
+            raise ValueError(f"evaluate_kernel: expected 'cudnn' or 'direct', got {evaluate_kernel!r}")
+        if evaluate_kernel == "direct" and spec.normalization is Normalization.LAYER_NORM:
+            raise ValueError("evaluate_kernel: 'direct' takes no norm or batch norm; layer norm needs each "
+                             "sample's statistics first (use 'cudnn')")
         if kernels not in ("fast", "simple"):
             raise ValueError(f"kernels: expected 'fast' or 'simple', got {kernels!r}")
         if not isinstance(launch_config, K.LaunchConfig):
@@ -191,6 +201,7 @@ class Functions:
         self._convolutions = convolutions
         self.fast_paths = fast_paths
         self.kernels = kernels
+        self.evaluate_kernel = evaluate_kernel
         if kernels == "simple":
             self.simple = simple.simple_set(spec.dtype.value, spec.activation)
             self.simple32 = simple.simple_set("float32", spec.activation)
@@ -559,13 +570,28 @@ class Functions:
             plan = self._plan(call)
             stream = self._enter(lib, x)
             y_dev, y = self._output(plan, "y", call.output_shape, lib, x)
-            if self.relu_fusion:
+            if self.evaluate_kernel == "direct":
+                self._direct_evaluate(plan, p, r, x_dev, y_dev)
+            elif self.relu_fusion:
                 plan.conv.forward(x_dev, p["weights"], p.get("bias"), y_dev, relu=True)
             else:
                 if plan.eval_buffers is None:
                     plan.eval_buffers = plan.saved_buffers(self)
                 self._run(plan, p, r, x_dev, y_dev, plan.eval_buffers, False, keep=False)
             return self._result(y, lib, stream)
+
+    def _direct_evaluate(self, plan: _Plan, p: dict, r: dict | None, x: Any, y: Any) -> None:
+        """y of evaluate in one launch (kernels.direct_evaluate)."""
+        s, d = plan.spec, self._dummy
+        n, h, w, c = s.input_shape
+        _, oh, ow, oc = s.output_shape
+        (kh, kw), (sh, sw), (ph, pw) = s.kernel, s.stride, s.padding
+        fixed = {"has_bias": self.spec.bias, "epsilon": np.float32(s.bn_epsilon), "H": h, "W": w, "C": c, "OH": oh,
+                 "OW": ow, "OC": oc, "KH": kh, "KW": kw, "SH": sh, "SW": sw, "PH": ph, "PW": pw}
+        running = {"running_mean": r["running_mean"], "running_var": r["running_var"]} if r else {
+            "running_mean": d, "running_var": d}
+        self._launch(plan, "direct_evaluate", self.k.direct_evaluate, *K.elementwise_grid(plan.total), fixed, x=x,
+                     w=p["weights"], b=p.get("bias", d), y=y, **running, **self._norm(p))
 
     def pre_activations(self, saved: Saved) -> np.ndarray:
         """A read-only host copy of the saved pre-activations (N, OH, OW, OC)."""

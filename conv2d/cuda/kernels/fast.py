@@ -166,6 +166,7 @@ class KernelSet:
     stats_final: object  # phase two of layer norm's segment statistics: mean, inv_std
     running_stats: object
     accumulate_stored: object  # grad += new, elementwise, both in the storage format
+    direct_evaluate: object  # evaluate in one kernel (no norm, batch norm): conv, norm, activation
 
 
 def row_jit_options(config: LaunchConfig) -> dict:
@@ -652,12 +653,50 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
             inv_std[c] = ONE / math.sqrt(running_var[c] + epsilon)
 
     @cuda.jit
+    def direct_evaluate(x, w, b, has_bias, running_mean, running_var, epsilon, gamma, beta, y, H, W, C, OH, OW,
+                        OC, KH, KW, SH, SW, PH, PW):
+        """evaluate (no norm, or batch norm with the running statistics) in one launch, for
+        small inputs where cuDNN's execute and three launches cost more than the math:
+        one thread an output value sums conv(x, w) directly (kh, kw, then channels, in
+        order) and adds the bias, rounds the sum as the pre-activations are stored, then
+        normalises and applies the activation as rows[WRITE_Y] does. x (N, H, W, C), w
+        (OC, KH, KW, C), y (N, OH, OW, OC), flat."""
+        for i in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+            oc = i % OC
+            r = i // OC
+            ow = r % OW
+            r //= OW
+            oh = r % OH
+            n = r // OH
+            acc = ZERO
+            for kh in range(KH):
+                ih = oh * SH - PH + kh
+                if ih >= 0 and ih < H:
+                    for kw in range(KW):
+                        iw = ow * SW - PW + kw
+                        if iw >= 0 and iw < W:
+                            xb = ((n * H + ih) * W + iw) * C
+                            wb = ((oc * KH + kh) * KW + kw) * C
+                            for c in range(C):
+                                acc += load(x, xb + c) * load(w, wb + c)
+            if has_bias:
+                acc += load(b, oc)
+            _, z = encode(acc)
+            if mode == NORM_BATCH:
+                a, _ = act_scalar(z, running_mean[oc], ONE / math.sqrt(running_var[oc] + epsilon), gamma[oc],
+                                  beta[oc])
+            else:
+                a = z
+            store(y, i, act_f(a))
+
+    @cuda.jit
     def accumulate_stored(grad, new, total):
         """grad += new, both in the storage format (the sum is rounded once, in float32)."""
         for i in range(cuda.grid(1), total, cuda.gridsize(1)):
             store(grad, i, load(grad, i) + load(new, i))
 
-    return KernelSet(rows, segment_partials, partials_final, stats_final, running_stats, accumulate_stored)
+    return KernelSet(rows, segment_partials, partials_final, stats_final, running_stats, accumulate_stored,
+                     direct_evaluate)
 
 
 def small_grid(total: int) -> tuple[int, int]:
