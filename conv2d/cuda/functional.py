@@ -252,7 +252,8 @@ class Functions:
         from conv2d.cuda import optim
 
         with self._lock:
-            optim.adam_step(self, params, grads, buffers, step, h, prepared)
+            optim.adam_step(self._launch, self._dummy, self.spec.dtype.value, self._current, params, grads, buffers,
+                            step, h, prepared)
 
     def sgd_step(self, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
                  step: Any, h: dict, prepared: dict) -> None:
@@ -260,7 +261,8 @@ class Functions:
         from conv2d.cuda import optim
 
         with self._lock:
-            optim.sgd_step(self, params, grads, buffers, step, h, prepared)
+            optim.sgd_step(self._launch, self._dummy, self.spec.dtype.value, self._current, params, grads, buffers,
+                           step, h, prepared)
 
     @property
     def launches(self) -> dict[tuple, Launch]:
@@ -433,15 +435,16 @@ class Functions:
             launch.set_stream(self._current)
         launch(**arrays)
 
-    def _launch(self, plan: _Plan, key: Any, kernel: Any, grid: Any, block: Any, fixed: Mapping[str, Any],
+    def _launch(self, launches: dict, key: Any, kernel: Any, grid: Any, block: Any, fixed: Mapping[str, Any],
                 **arrays: Any) -> None:
-        """A prepared launch of `kernel` named `key` in the plan: `fixed` are the arguments
-        that do not change under the key (sizes, scalars, scratch), `arrays` by name those
-        that may change per call (the first call prepares it, later ones swap them)."""
-        launch = plan.launches.get(key)
+        """A prepared launch of `kernel` named `key` in `launches` (a plan's, or an
+        optimizer's per layer): `fixed` are the arguments that do not change under the key
+        (sizes, scalars, scratch), `arrays` by name those that may change per call (the
+        first call prepares it, later ones swap them)."""
+        launch = launches.get(key)
         if launch is None:
-            launch = plan.launches[key] = Launch(kernel, grid, block, self._current, {**fixed, **arrays},
-                                                 fast=self.fast_paths)
+            launch = launches[key] = Launch(kernel, grid, block, self._current, {**fixed, **arrays},
+                                            fast=self.fast_paths)
             launch()
             return
         self._call(launch, arrays)
@@ -462,7 +465,7 @@ class Functions:
             return False
         eps = np.float32(s.bn_epsilon)
         if norm is Normalization.BATCH_NORM and not training:
-            self._launch(plan, ("running", keep), self.k.running_stats, *K.small_grid(plan.C), {"epsilon": eps},
+            self._launch(plan.launches, ("running", keep), self.k.running_stats, *K.small_grid(plan.C), {"epsilon": eps},
                          running_mean=r["running_mean"], running_var=r["running_var"], mean=mean, inv_std=inv_std)
             return False
         if norm is Normalization.BATCH_NORM:
@@ -473,10 +476,10 @@ class Functions:
                        accumulate=K.ACC_ADD if update else K.ACC_NONE)
             return True
         n = plan.spec.batch_size
-        self._launch(plan, ("seg_stats", keep), self.k.segment_partials[K.SUM_STATS], (n, plan.Q), K.SEG_THREADS,
+        self._launch(plan.launches, ("seg_stats", keep), self.k.segment_partials[K.SUM_STATS], (n, plan.Q), K.SEG_THREADS,
                      {"mean": d, "inv_std": d, "C": plan.C, "S": plan.S, "out0": plan.seg[0], "out1": plan.seg[1]},
                      z=z, d_y=z, **self._norm(p))
-        self._launch(plan, ("seg_stats_final", keep), self.k.stats_final, n, K.WARP,
+        self._launch(plan.launches, ("seg_stats_final", keep), self.k.stats_final, n, K.WARP,
                      {"p0": plan.seg[0], "p1": plan.seg[1], "P": plan.Q, "G": n, "S": plan.S,
                       "count": np.float32(plan.S), "epsilon": eps},
                      z=z, mean=mean, inv_std=inv_std)
@@ -590,7 +593,7 @@ class Functions:
                  "OW": ow, "OC": oc, "KH": kh, "KW": kw, "SH": sh, "SW": sw, "PH": ph, "PW": pw}
         running = {"running_mean": r["running_mean"], "running_var": r["running_var"]} if r else {
             "running_mean": d, "running_var": d}
-        self._launch(plan, "direct_evaluate", self.k.direct_evaluate, *K.elementwise_grid(plan.total), fixed, x=x,
+        self._launch(plan.launches, "direct_evaluate", self.k.direct_evaluate, *K.elementwise_grid(plan.total), fixed, x=x,
                      w=p["weights"], b=p.get("bias", d), y=y, **running, **self._norm(p))
 
     def pre_activations(self, saved: Saved) -> np.ndarray:
@@ -653,10 +656,10 @@ class Functions:
                        acc0=g.get("beta", d), acc1=g.get("gamma", d), accumulate=acc)
             if norm is Normalization.LAYER_NORM:
                 n = call.batch_size
-                self._launch(plan, ("seg_grads", saved.slot), self.k.segment_partials[K.SUM_GRADS], (n, plan.Q),
+                self._launch(plan.launches, ("seg_grads", saved.slot), self.k.segment_partials[K.SUM_GRADS], (n, plan.Q),
                              K.SEG_THREADS, {"C": plan.C, "S": plan.S, "out0": plan.seg[0], "out1": plan.seg[1]},
                              z=saved.pre, d_y=d_y_dev, mean=mean, inv_std=inv_std, **self._norm(p))
-                self._launch(plan, "seg_grads_final", self.k.partials_final, n, K.WARP,
+                self._launch(plan.launches, "seg_grads_final", self.k.partials_final, n, K.WARP,
                              {"p0": plan.seg[0], "p1": plan.seg[1], "P": plan.Q, "G": n, "sums": plan.sums_seg})
                 sums, count = plan.sums_seg, plan.S
             elif batch_stats:
@@ -708,7 +711,7 @@ class Functions:
                 else:
                     plan.conv.backward_filter(saved.x, plan.d_z, plan.d_w)
                     total = plan.d_w.size
-                    self._launch(plan, "accumulate_w", self.k.accumulate_stored, *K.elementwise_grid(total),
+                    self._launch(plan.launches, "accumulate_w", self.k.accumulate_stored, *K.elementwise_grid(total),
                                  {"new": plan.d_w, "total": total}, grad=g["weights"])
             if lib == NUMPY:
                 if grads is not None and accumulate is None:

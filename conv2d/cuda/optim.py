@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from conv2d.cuda.kernels import elementwise_grid, storage_io
-from conv2d.cuda.launch import Launch
 from conv2d.cuda.runtime import numba_cuda
 
 cuda = numba_cuda()
@@ -159,9 +158,9 @@ def sgd_kernel(storages: tuple[str, str, str, str]) -> Any:
     return sgd_layer
 
 
-def _slots(cuda_fn: Any, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
-           per_slot: tuple[str, ...], dummy: Any) -> tuple[dict, tuple, int]:
-    """The kernel arguments of the four slots (absent ones: the dummy, size 0), their
+def _slots(dtype: str, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
+           per_slot: tuple[str, ...], absent: Any) -> tuple[dict, tuple, int]:
+    """The kernel arguments of the four slots (absent ones: `absent`, size 0), their
     storage formats, and the flags' has-master bits."""
     args, storages, flags = {}, [], 0
     for k, name in enumerate(SLOTS):
@@ -169,66 +168,55 @@ def _slots(cuda_fn: Any, params: Mapping[str, Any], grads: Mapping[str, Any], bu
         b = buffers.get(name, {})
         if value is None:
             storages.append("float32")
-            args.update({f"value{k}": dummy, f"grad{k}": dummy, f"n{k}": np.int64(0)})
-            args.update({f"{x}{k}": dummy for x in per_slot})
+            args.update({f"value{k}": absent, f"grad{k}": absent, f"n{k}": np.int64(0)})
+            args.update({f"{x}{k}": absent for x in per_slot})
             continue
-        storages.append(cuda_fn.spec.dtype.value if value.dtype != np.float32 else "float32")
+        storages.append(dtype if value.dtype != np.float32 else "float32")
         master = b.get("master")
         flags |= (1 << k) if master is not None else 0
         args.update({f"value{k}": value, f"grad{k}": grads[name], f"n{k}": np.int64(value.size)})
-        args.update({f"{x}{k}": b[x] if b.get(x) is not None else dummy for x in per_slot})
+        args.update({f"{x}{k}": b[x] if b.get(x) is not None else absent for x in per_slot})
     return args, tuple(storages), flags
 
 
-def _launch(cuda_fn: Any, prepared: dict, kind: str, make: Any, args: dict) -> None:
-    """The layer's prepared launch of `kind` (made on first use), on the current stream,
-    with `args` (only what changed is rewritten)."""
-    launch = prepared.get(kind)
-    total = int(args["n0"] + args["n1"] + args["n2"] + args["n3"])
-    if launch is None:
-        grid, block = elementwise_grid(total)
-        launch = prepared[kind] = Launch(make(), grid, block, cuda_fn.current_stream, args,
-                                         fast=cuda_fn.fast_paths)
-    if launch.stream is not cuda_fn.current_stream:
-        launch.set_stream(cuda_fn.current_stream)
-    launch(**args)
+def _total(args: dict) -> int:
+    return int(args["n0"] + args["n1"] + args["n2"] + args["n3"])
 
 
-def adam_step(cuda_fn: Any, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
-              step: Any, h: Mapping[str, Any], prepared: dict) -> None:
-    """One Adam step of every parameter of a layer, one launch on the functions' current
-    stream. `buffers[name]` holds "m", "v" (and "master" for a 16-bit parameter), float32;
-    `step` the device step count; `prepared` a dict the caller keeps for this layer's
-    launches (and the ticket)."""
-    dummy, ticket = _scratch(cuda_fn, prepared)
-    args, storages, flags = _slots(cuda_fn, params, grads, buffers, ("m", "v", "master"), dummy)
+def adam_step(launch: Callable[..., None], absent: Any, dtype: str, stream: Any, params: Mapping[str, Any],
+              grads: Mapping[str, Any], buffers: Mapping[str, dict], step: Any, h: Mapping[str, Any],
+              prepared: dict) -> None:
+    """One Adam step of every parameter of a layer, one launch on `stream`, through the
+    layer functions' `launch(launches, key, kernel, grid, block, fixed, **arrays)` into the
+    dict `prepared` the caller keeps per layer (which also holds the ticket).
+    `buffers[name]` holds "m", "v" (and "master" for a 16-bit parameter), float32; `step`
+    the device step count; `absent` stands for missing arrays; `dtype` the layer's storage."""
+    args, storages, flags = _slots(dtype, params, grads, buffers, ("m", "v", "master"), absent)
     for k, name in enumerate(SLOTS):
         if name in params and name in h["decayed"] and h["weight_decay"] > 0:
             flags |= 16 << k
-    args.update(flags=np.int32(flags), step=step, ticket=ticket, rule=np.int32(RULES[h["rule"]]),
+    args.update(flags=np.int32(flags), step=step, ticket=_ticket(prepared, stream), rule=np.int32(RULES[h["rule"]]),
                 lr64=np.float64(h["lr"]), beta1_64=np.float64(h["beta1"]), beta2_64=np.float64(h["beta2"]),
                 eps64=np.float64(h["eps"]), eps_sqrt64=np.float64(h.get("eps_sqrt", 0.0)),
                 weight_decay64=np.float64(h["weight_decay"]))
-    _launch(cuda_fn, prepared, "adam", lambda: adam_kernel(storages), args)
+    launch(prepared, "adam", adam_kernel(storages), *elementwise_grid(_total(args)), {}, **args)
 
 
-def sgd_step(cuda_fn: Any, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
-             step: Any, h: Mapping[str, Any], prepared: dict) -> None:
+def sgd_step(launch: Callable[..., None], absent: Any, dtype: str, stream: Any, params: Mapping[str, Any],
+             grads: Mapping[str, Any], buffers: Mapping[str, dict], step: Any, h: Mapping[str, Any],
+             prepared: dict) -> None:
     """One SGD step of every parameter of a layer, one launch (see `adam_step`);
     `buffers[name]` holds "buf" with momentum (and "master" for a 16-bit parameter)."""
-    dummy, ticket = _scratch(cuda_fn, prepared)
-    args, storages, flags = _slots(cuda_fn, params, grads, buffers, ("buf", "master"), dummy)
+    args, storages, flags = _slots(dtype, params, grads, buffers, ("buf", "master"), absent)
     flags |= 16 if h["momentum"] > 0 else 0
-    args.update(flags=np.int32(flags), step=step, ticket=ticket, lr64=np.float64(h["lr"]),
+    args.update(flags=np.int32(flags), step=step, ticket=_ticket(prepared, stream), lr64=np.float64(h["lr"]),
                 momentum64=np.float64(h["momentum"]), dampening64=np.float64(h["dampening"]),
                 weight_decay64=np.float64(h["weight_decay"]), nesterov=bool(h["nesterov"]))
-    _launch(cuda_fn, prepared, "sgd", lambda: sgd_kernel(storages), args)
+    launch(prepared, "sgd", sgd_kernel(storages), *elementwise_grid(_total(args)), {}, **args)
 
 
-def _scratch(cuda_fn: Any, prepared: dict) -> tuple[Any, Any]:
-    """The layer's stand-in array for absent slots and its zeroed ticket (made once)."""
+def _ticket(prepared: dict, stream: Any) -> Any:
+    """The layer's zeroed ticket (made once; the last block of each step resets it)."""
     if "ticket" not in prepared:
-        stream = cuda_fn.current_stream
-        prepared["dummy"] = cuda.to_device(np.zeros(1, np.float32), stream=stream)
         prepared["ticket"] = cuda.to_device(np.zeros(1, np.int32), stream=stream)
-    return prepared["dummy"], prepared["ticket"]
+    return prepared["ticket"]
