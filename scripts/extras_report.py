@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # What conv2d imports of an extra's packages, directly (the rest come as their needs).
 IMPORTED = {"numba", "numba-cuda", "cuda-python", "cuda-bindings", "cuda-pathfinder", "nvidia-cudnn-cu12",
             "nvidia-cudnn-cu13", "nvidia-cudnn-frontend", "numpy", "ml-dtypes", "scipy", "tqdm"}
-NAMES = {"public": ["deselect_numeric_notes", "tensor_uids", "get_plan_name_at_index", "execute_plan_at_index",
+NAMES = {"public": ["deselect_numeric_notes", "get_plan_name_at_index", "execute_plan_at_index",
                     "get_workspace_size_plan_at_index", "build_plan_policy"],
          "autotune": ["select_plan"],
          "fast path": ["_execute_with_raw_ptrs", "_variant_pack_uids", "_materialize_backend_plan",

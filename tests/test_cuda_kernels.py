@@ -241,14 +241,15 @@ def test_the_simple_kernels_run_the_layer_as_the_reference_and_the_fast_kernels(
         dx = as_numpy(layer.backward_full(x, dy))
         got[name] = {"y": y, "d_x": dx, **{f"d_{k}": v for k, v in layer.grad_dict().items()},
                      **layer.state_dict(), "evaluate": as_numpy(layer.evaluate(x))}
-    # Against the largest value of each result, at least 0.1 (a bias gradient under batch
-    # norm sums O(1) terms to about zero): float32 sums of at most 90 terms, or 16-bit
-    # storage roundings.
+    # Against the largest value of each result, at least 1: a bias gradient under batch
+    # norm sums 90 terms of O(1) to about zero, and two summation orders of those differ by
+    # about 90 float32 roundings of O(1) (1.4e-5 seen on the H200, gelu-batch_norm), which
+    # is no evidence about the kernels; a wrong term costs O(1). 16-bit: storage roundings.
     tol = 1e-4 if dtype == "float32" else 3e-2
     for other in ("reference", "fast"):
         for k, want in got[other].items():
             want = np.asarray(want, np.float64)
-            err = np.max(np.abs(np.asarray(got["simple"][k], np.float64) - want)) / max(np.max(np.abs(want)), 0.1)
+            err = np.max(np.abs(np.asarray(got["simple"][k], np.float64) - want)) / max(np.max(np.abs(want)), 1.0)
             assert err <= tol, f"{k} against {other}: relative error {err:.2e} > {tol:.0e}"
 
 

@@ -119,7 +119,8 @@ class Execution:
     The frontend's `execute` normalises its variant pack on every call (25-30 us of host
     time measured on the H200); its native entry point takes an array of pointers in the
     graph's uid order (6 us). That array is built here once. Where the frontend does not
-    offer that entry point, its public ordered form (`tensor_uids=`) is used instead, and
+    offer that entry point, its public `execute` over a {uid: pointer} variant pack is used
+    instead (the form every frontend version takes; 1.28's has no `tensor_uids=`), and
     always with `native=False` (the public path the native one is tested against).
     """
 
@@ -168,7 +169,7 @@ class Execution:
                         # The native entry point refused this graph on its first call: the
                         # public form from now on (it raises in turn if the graph cannot run).
                         self._native = None
-                g.graph.execute(self._ptrs, self._workspace, handle=self._handle, tensor_uids=self._uids)
+                g.graph.execute(dict(zip(self._uids, self._ptrs)), self._workspace, handle=self._handle)
         except Exception as e:
             raise CudnnError(f"cuDNN {g.op} for {g.spec}: {e}") from e
 

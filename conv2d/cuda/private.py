@@ -13,7 +13,7 @@ release that moves one of these shows up as a failing test, with a working fallb
   `from_cuda_array_interface` (`interface_view`).
 - cudnn-frontend, execution: `native_execute` prepares the frontend's native entry point
   over an array of pointers in the graph's uid order (`_execute_with_raw_ptrs`), 6 us
-  against 25-30 us for `execute`. Public path: `graph.execute(..., tensor_uids=)`.
+  against 25-30 us for `execute`. Public path: `graph.execute({uid: pointer}, workspace, handle=)`.
 """
 
 from __future__ import annotations
