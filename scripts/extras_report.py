@@ -33,13 +33,61 @@ NAMES = {"public": ["deselect_numeric_notes", "get_plan_name_at_index", "execute
                        "to_backend_handle", "selected_engine"]}
 
 
-def resolve(extra: str) -> list[tuple[str, str]]:
+def resolve(extra: str) -> list[tuple[str, str, int | None, list[str]]]:
+    """(name, version, wheel bytes, the resolved packages that require it) for `.[extra]`."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
                         "--report", str(report), f"{ROOT}[{extra}]"], check=True)
         data = json.loads(report.read_text())
-    return sorted((i["metadata"]["name"], i["metadata"]["version"]) for i in data["install"])
+    items = {canonicalize_name(i["metadata"]["name"]): i for i in data["install"]}
+    # The extras each package was asked for (numba-cuda[cu13] brings cuda-toolkit[...]
+    # under `extra == "cu13"` markers), to a fixed point from the project's own extra.
+    extras: dict[str, set[str]] = {k: set(i.get("requested_extras") or []) for k, i in items.items()}
+    extras["conv2d"] = {extra}
+    needed_by: dict[str, list[str]] = {k: [] for k in items}
+    changed = True
+    while changed:
+        changed = False
+        for parent, item in items.items():
+            for text in item["metadata"].get("requires_dist", []):
+                req = Requirement(text)
+                child = canonicalize_name(req.name)
+                if child not in items or not (req.marker is None or any(
+                        req.marker.evaluate({"extra": e}) for e in extras[parent] | {""})):
+                    continue
+                if parent not in needed_by[child]:
+                    needed_by[child].append(item["metadata"]["name"])
+                    changed = True
+                if not set(req.extras) <= extras[child]:
+                    extras[child] |= set(req.extras)
+                    changed = True
+    return sorted((i["metadata"]["name"], i["metadata"]["version"], wheel_size(i["download_info"]["url"]),
+                   needed_by[k]) for k, i in items.items())
+
+
+def wheel_size(url: str) -> int | None:
+    """The file's size from the index's JSON simple API (PEP 691/700), None if not given."""
+    import urllib.request
+
+    if url.startswith("file://"):
+        path = Path(urllib.request.url2pathname(url[len("file://"):]))
+        return path.stat().st_size if path.is_file() else None
+    if not url.startswith("https://"):
+        return None
+    filename = url.rsplit("/", 1)[1]
+    project = filename.split("-", 1)[0].replace("_", "-").lower()
+    request = urllib.request.Request(f"https://pypi.org/simple/{project}/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            files = json.load(r)["files"]
+    except OSError:
+        return None
+    return next((f.get("size") for f in files if f["filename"] == filename), None)
 
 
 def frontend(version: str) -> tuple[list[str], dict[str, bool]]:
@@ -65,10 +113,14 @@ def main() -> None:
     args = ap.parse_args()
     for extra in args.extras.split(","):
         rows = resolve(extra)
-        print(f"\n### `.[{extra}]` resolves: {len(rows)} packages\n")
-        print("| package | version | imported by conv2d |\n| --- | --- | --- |")
-        for name, version in rows:
-            print(f"| {name} | {version} | {'yes' if name.lower() in IMPORTED else ''} |")
+        known = [size for *_, size, _ in rows if size is not None]
+        print(f"\n### `.[{extra}]` resolves: {len(rows)} packages, {sum(known) / 1e6:.0f} MB of wheels\n")
+        print("| package | version | wheel MB | why it is there |\n| --- | --- | ---: | --- |")
+        for name, version, size, parents in rows:
+            why = ["imported by conv2d"] if name.lower().replace("_", "-") in IMPORTED else []
+            why += [f"required by {', '.join(p for p in parents)}"] if parents else []
+            mb = "?" if size is None else f"{size / 1e6:.1f}"
+            print(f"| {name} | {version} | {mb} | {'; '.join(why) or '(the project)'} |", flush=True)
     print("\n### nvidia-cudnn-frontend versions\n")
     print("| version | required dependencies | public API | select_plan (autotune) | private fast path |")
     print("| --- | --- | --- | --- | --- |")
