@@ -60,13 +60,14 @@ def resolve(extra: str) -> list[tuple[str, str, int | None, list[str]]]:
                         req.marker.evaluate({"extra": e}) for e in extras[parent] | {""})):
                     continue
                 if parent not in needed_by[child]:
-                    needed_by[child].append(item["metadata"]["name"])
+                    needed_by[child].append(parent)
                     changed = True
                 if not set(req.extras) <= extras[child]:
                     extras[child] |= set(req.extras)
                     changed = True
+    names = {k: i["metadata"]["name"] for k, i in items.items()}
     return sorted((i["metadata"]["name"], i["metadata"]["version"], wheel_size(i["download_info"]["url"]),
-                   needed_by[k]) for k, i in items.items())
+                   [names[p] for p in needed_by[k]]) for k, i in items.items())
 
 
 def wheel_size(url: str) -> int | None:
