@@ -229,6 +229,10 @@ def optim_pytorch(spec, x_host, dy_host, iters: int) -> dict:
     whole-network capture recipe does it, and the step alone, eager."""
     import torch
 
+    # The strict comparison's settings, whatever ran before (the TF32 table turns
+    # cudnn.benchmark on; autotuned plans against our heuristic ones would not compare).
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = False, False
+    torch.backends.cudnn.deterministic = True
     model = torch_sequential(spec).train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True, capturable=True)
     x, dy = torch_nchw(x_host, spec), torch_nchw(dy_host, spec)
@@ -413,6 +417,7 @@ def main() -> None:
             print(line, flush=True)
         # the strict comparison's settings again for what follows
         torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic = False, True
+        torch.backends.cudnn.benchmark = False
     if not args.no_optim:
         head = ["", "## Adam: the optimizer step alone (eager) and the whole training step (zero grad, forward, "
                 "backward, step) as one CUDA graph; ours conv2d.optim.Adam(preset='torch') (16-bit layers keep "
