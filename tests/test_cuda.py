@@ -706,6 +706,29 @@ def test_the_module_on_the_gpu_is_as_accurate_as_pytorch_in_the_same_dtype(norm,
         assert (a - t).abs().max().item() <= allowed, name
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_nhwc_module_on_the_gpu_gives_the_nchw_modules_bits(dtype):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from conv2d.torch import Conv2dNormActivation
+
+    nchw, _, tdt = _module_pair(torch, "batch_norm", dtype)
+    nhwc = Conv2dNormActivation(5, 6, 3, padding=1, norm="batch_norm", activation="gelu", device="cuda",
+                                layout="NHWC").to(tdt)
+    nhwc.load_state_dict(nchw.state_dict())
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(4, 5, 12, 10, device="cuda", generator=g).to(tdt, memory_format=torch.channels_last)
+    d_y = torch.randn(4, 6, 12, 10, device="cuda", generator=g).to(tdt, memory_format=torch.channels_last)
+    results = []
+    for model, xi, di in ((nchw, x, d_y), (nhwc, x.permute(0, 2, 3, 1), d_y.permute(0, 2, 3, 1))):
+        xr = xi.detach().clone().requires_grad_(True)
+        y = model(xr)
+        y.backward(di)
+        results.append([y, xr.grad, *(p.grad for p in model.parameters())])
+    (y, dx, *grads), (y2, dx2, *grads2) = results
+    assert torch.equal(y.permute(0, 2, 3, 1), y2) and torch.equal(dx.permute(0, 2, 3, 1), dx2)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
 def test_the_module_captured_in_a_torch_cuda_graph_replays_like_eager():
     torch = pytest.importorskip("torch", reason="torch is not installed")
     ours, _, _ = _module_pair(torch, "batch_norm", "float32")

@@ -95,6 +95,31 @@ def test_an_input_in_another_memory_format_gives_the_same_result():
     torch.testing.assert_close(module(x.contiguous()), module(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("norm", NORMS)
+def test_an_nhwc_module_gives_the_nchw_modules_results_bitwise_in_nhwc(norm):
+    nchw, _ = module_and_sequential(norm, "gelu")
+    nhwc = Conv2dNormActivation(3, 5, kernel_size=3, padding=1, norm=norm, activation="gelu", dtype=torch.float64,
+                                layout="NHWC")
+    nhwc.load_state_dict(nchw.state_dict())
+    x, d_y = channels_last((2, 3, 6, 5)), channels_last((2, 5, 6, 5), seed=3)
+    want = run(nchw, x, d_y)
+    got = run(nhwc, x.permute(0, 2, 3, 1).contiguous(), d_y.permute(0, 2, 3, 1).contiguous())
+    assert got[0].shape == (2, 6, 5, 5) and got[0].is_contiguous()
+    torch.testing.assert_close(got[0], want[0].permute(0, 2, 3, 1), rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1].permute(0, 2, 3, 1), rtol=0, atol=0)
+    for k, g in want[2].items():
+        torch.testing.assert_close(got[2][k], g, rtol=0, atol=0, msg=k)
+    torch.testing.assert_close(nhwc.state_dict(), nchw.state_dict(), rtol=0, atol=0)
+
+
+def test_a_layout_other_than_nchw_or_nhwc_is_refused():
+    with pytest.raises(ValueError, match="^layout: expected 'NCHW' or 'NHWC', got 'CHWN'"):
+        Conv2dNormActivation(3, 5, layout="CHWN")
+    module = Conv2dNormActivation(3, 5, layout="NHWC", dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^x: expected a 4-D \(N, H, W, C\) tensor"):
+        module(torch.zeros(4, 4, 3, dtype=torch.float64))
+
+
 def test_the_biased_rule_keeps_the_original_librarys_running_variance():
     biased, _ = module_and_sequential("batch_norm", "relu", running_var="biased", momentum=1.0)
     x = channels_last((3, 3, 4, 4))

@@ -81,15 +81,21 @@ class Conv2dNormActivation(nn.Module):
     of `conv2d.Activation` ("relu", "gelu", "gelu_tanh", "tanh", "sigmoid", "identity",
     and the original library's "fast_tanh", "gelu_original"). `running_var`: "unbiased"
     (PyTorch's BatchNorm2d, the default here) or "biased" (the original library's).
-    `backend_options` go to the CUDA backend (e.g. `allow_tf32`).
+    `layout`: "NCHW" (the default, as above) or "NHWC": x is (N, H, W, C), as this
+    library's arrays and JAX's convolutions, read in place when contiguous (else copied
+    once), and y is (N, OH, OW, OC), contiguous; the parameters and state_dict are the
+    same in both. `backend_options` go to the CUDA backend (e.g. `allow_tf32`).
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int] = 3,
                  stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] = 0, bias: bool = True,
                  norm: str = "batch_norm", activation: str = "relu", eps: float = 1e-5, momentum: float = 0.1,
-                 running_var: str = "unbiased", device: Any = None, dtype: Any = None,
+                 running_var: str = "unbiased", device: Any = None, dtype: Any = None, layout: str = "NCHW",
                  **backend_options: Any) -> None:
         super().__init__()
+        if layout not in ("NCHW", "NHWC"):
+            raise ValueError(f"layout: expected 'NCHW' or 'NHWC', got {layout!r}")
+        self.layout = layout
         # A spec validates every argument now; its input size is a placeholder (every
         # call takes any N, H, W: the kernel's own size fits) and its dtype follows the
         # tensors at each call.
@@ -125,7 +131,7 @@ class Conv2dNormActivation(nn.Module):
         return (f"{s.in_channels}, {s.out_channels}, kernel_size={s.kernel}, stride={s.stride}, "
                 f"padding={s.padding}, bias={s.bias}, norm={s.normalization.value!r}, "
                 f"activation={s.activation.value!r}, eps={s.bn_epsilon}, momentum={s.bn_momentum}, "
-                f"running_var={s.bn_running_var.value!r}")
+                f"running_var={s.bn_running_var.value!r}" + (", layout='NHWC'" if self.layout == "NHWC" else ""))
 
     def _spec_for(self, dtype: DType) -> LayerSpec:
         return dataclasses.replace(self._spec, dtype=dtype)
@@ -154,15 +160,19 @@ class Conv2dNormActivation(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise ValueError(f"x: expected a 4-D (N, C, H, W) tensor, got {getattr(x, 'shape', type(x).__name__)}")
+            raise ValueError(f"x: expected a 4-D ({', '.join(self.layout)}) tensor, got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
         weight = self.conv.weight
         if x.dtype != weight.dtype or x.device != weight.device:
             raise TypeError(f"x: expected a {weight.dtype} tensor on {weight.device} (the module's), got "
                             f"{x.dtype} on {x.device}")
         key = self._functions_for(x)
-        nhwc = x.permute(0, 2, 3, 1)
-        if not nhwc.is_contiguous():
-            nhwc = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
+        if self.layout == "NHWC":
+            nhwc = x.contiguous()  # x itself when contiguous
+        else:
+            nhwc = x.permute(0, 2, 3, 1)
+            if not nhwc.is_contiguous():
+                nhwc = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
         w = weight.permute(0, 2, 3, 1)
         if not w.is_contiguous():  # a weight the caller made contiguous_format: one copy, differentiable
             w = weight.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
@@ -177,7 +187,7 @@ class Conv2dNormActivation(nn.Module):
         y = ops.Conv2dFunction.apply(nhwc, w, self.conv.bias, gamma, beta, running and running["running_mean"],
                                      running and running["running_var"], self.training,
                                      self._spec.batch_statistics(self.training), key)
-        return y.permute(0, 3, 1, 2)
+        return y if self.layout == "NHWC" else y.permute(0, 3, 1, 2)
 
 
 def activation_module(name: str | Activation) -> nn.Module:
