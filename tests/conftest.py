@@ -55,6 +55,15 @@ def random_inputs(spec: LayerSpec, seed: int = 1) -> tuple[np.ndarray, np.ndarra
     return rng.standard_normal(spec.input_shape).astype(st), rng.standard_normal(spec.output_shape).astype(st)
 
 
+def assert_same_gradients(a, b) -> None:
+    """The layers (or stacks) `a` and `b` hold bitwise the same gradients, key by key."""
+    want = b.grad_dict()
+    got = a.grad_dict()
+    assert got.keys() == want.keys()
+    for k, g in got.items():
+        np.testing.assert_array_equal(g, want[k], err_msg=k)
+
+
 @pytest.fixture
 def small_spec() -> LayerSpec:
     return LayerSpec(batch_size=2, in_height=6, in_width=5, in_channels=3, out_channels=4, kernel=3,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import conv2d
-from conftest import HAVE_GPU, make_layer, random_inputs
+from conftest import HAVE_GPU, assert_same_gradients, make_layer, random_inputs
 from conv2d import Conv2d, LayerSpec
 from conv2d.dtypes import storage_dtype
 from conv2d.host import as_numpy
@@ -161,8 +161,7 @@ def test_backward_accepts_an_equal_copy_of_a_host_input(backend):
     b.forward(x)
     a.backward(x.copy(), dy)
     b.backward(x, dy)
-    for k, g in a.grad_dict().items():
-        np.testing.assert_array_equal(g, b.grad_dict()[k], err_msg=k)
+    assert_same_gradients(a, b)
 
 
 @pytest.mark.parametrize("change", ["load_state_dict", "init_weights", "parameters_changed"])
@@ -207,8 +206,7 @@ def test_pre_activations_are_read_only_and_cannot_change_the_next_backward(backe
         pre[...] = 0
     layer.backward(x, dy)
     twin.backward(x, dy)
-    for k, g in layer.grad_dict().items():
-        np.testing.assert_array_equal(g, twin.grad_dict()[k], err_msg=k)
+    assert_same_gradients(layer, twin)
 
 
 # The functions themselves -------------------------------------------------------------------

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import make_layer, random_inputs
+from conftest import assert_same_gradients, make_layer, random_inputs
 from conv2d import Conv2d, LayerSpec
 
 NORMS = ["none", "batch_norm", "layer_norm"]
@@ -52,8 +52,7 @@ def test_backward_and_backward_full_give_the_same_parameter_gradients(norm):
     b.forward(x)
     a.backward(x, dy)
     b.backward_full(x, dy)
-    for k, g in a.grad_dict().items():
-        np.testing.assert_array_equal(g, b.grad_dict()[k], err_msg=k)
+    assert_same_gradients(a, b)
 
 
 def test_backward_input_leaves_parameter_gradients_alone(small_spec):
