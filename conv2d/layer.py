@@ -13,7 +13,7 @@ import numpy as np
 from conv2d.arrays import equal_host_arrays, library, same_memory
 from conv2d.backend import Functions, make_functions
 from conv2d.spec import LayerSpec, Normalization
-from conv2d.state import RUNNING, check_arrays, grad_layout, initial_state, state_layout
+from conv2d.state import RUNNING, check_arrays, grad_layout, initial_state, split_state, state_layout
 
 
 class Conv2d:
@@ -39,8 +39,8 @@ class Conv2d:
         self._fn: Functions = make_functions(backend, spec, **backend_options)
         fn = self._fn
         self._state = fn.from_host(initial_state(spec))
-        self._params = {k: v for k, v in self._state.items() if k not in RUNNING}
-        self._running = {k: v for k, v in self._state.items() if k in RUNNING} or None
+        self._params, running = split_state(self._state)
+        self._running = running or None
         self._grads = fn.from_host({k: np.zeros(shape, dt) for k, (shape, dt) in grad_layout(spec).items()})
         self._lock = threading.RLock()
         # The last forward: its saved values, its input, and the parameters' version then.

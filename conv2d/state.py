@@ -34,6 +34,12 @@ def state_layout(spec: LayerSpec) -> dict[str, tuple[tuple[int, ...], np.dtype]]
 RUNNING = ("running_mean", "running_var")
 
 
+def split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(parameters, running statistics) of a state dict: the functional core's `params`
+    and `running` arguments, the same arrays (no copy)."""
+    return ({k: v for k, v in state.items() if k not in RUNNING}, {k: v for k, v in state.items() if k in RUNNING})
+
+
 def grad_layout(spec: LayerSpec) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Every parameter's gradient: the parameter's shape and dtype."""
     return {k: v for k, v in state_layout(spec).items() if k not in RUNNING}

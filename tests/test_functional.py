@@ -15,7 +15,7 @@ from conftest import HAVE_GPU, assert_same_gradients, make_layer, random_inputs
 from conv2d import Conv2d, LayerSpec
 from conv2d.dtypes import storage_dtype
 from conv2d.host import as_numpy
-from conv2d.state import RUNNING
+from conv2d.state import RUNNING, split_state
 
 BACKENDS = ["reference", "cuda"]
 NORMS = ["none", "batch_norm", "layer_norm"]
@@ -214,8 +214,7 @@ def test_functions_read_caller_owned_parameters_and_update_running_statistics_in
     spec = spec_for("batch_norm")
     layer = make_layer(spec)
     state = layer.state_dict()
-    params = {k: v for k, v in state.items() if k not in RUNNING}
-    running = {k: v for k, v in state.items() if k in RUNNING}
+    params, running = split_state(state)
     running_before = {k: v.copy() for k, v in running.items()}
     x, dy = inputs_at(spec, 3)
     fn = layer.functions
@@ -270,8 +269,8 @@ def test_torch_cpu_tensors_through_the_reference_give_torch_tensors_without_copi
     dyt = torch.from_numpy(dy.astype(np.float32)).to(tdt)
     y = layer.forward(xt)
     assert isinstance(y, torch.Tensor) and y.dtype == tdt and tuple(y.shape) == spec.at(3).output_shape
-    params = {k: v for k, v in layer.state_dict().items() if k not in RUNNING}
-    _, saved = layer.functions.forward(params, xt, False, {k: layer.state_dict()[k] for k in RUNNING})
+    params, running = split_state(layer.state_dict())
+    _, saved = layer.functions.forward(params, xt, False, running)
     assert saved.x.__array_interface__["data"][0] == xt.data_ptr()  # the input was viewed, not copied
     d_x = layer.backward_full(xt, dyt)
     assert isinstance(d_x, torch.Tensor) and d_x.dtype == tdt and tuple(d_x.shape) == tuple(xt.shape)
@@ -428,7 +427,7 @@ def test_the_bias_gradient_sums_d_z_as_stored_in_the_storage_dtype():
                      activation="tanh", normalization="batch_norm", dtype="bfloat16")
     layer = make_layer(spec)
     x, dy = random_inputs(spec)
-    params = {k: v for k, v in layer.state_dict().items() if k not in RUNNING}
+    params, _ = split_state(layer.state_dict())
     _, saved = layer.functions.forward(params, x, True)
     grads, _ = layer.functions.backward(params, saved, dy)
     d_z, _ = grad_pre_activations(params, saved, dy)
