@@ -2,6 +2,7 @@
 Sequential it replaces, in float64: outputs, gradients, running statistics, state_dict,
 gradcheck, dtypes and layouts, torch.compile, DistributedDataParallel over gloo."""
 
+import gc
 import os
 
 import pytest
@@ -203,9 +204,15 @@ def _ddp_worker(rank, world, path, port):
         ddp(x[part].contiguous(memory_format=torch.channels_last)).backward(d_y[part] * world)
         if rank == 0:
             torch.save({k: p.grad for k, p in module.named_parameters()}, path)
+        del ddp  # its reducer holds the group: let go of it while both ranks are alive
+        gc.collect()
         dist.barrier()  # neither rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
+    # The work is done and written. Interpreter finalization, which destroys what torch's C++
+    # side still holds while its threads may run, aborted one CI run here (SIGABRT, "terminate
+    # called without an active exception", rank 1); a worker that leaves without it cannot.
+    os._exit(0)
 
 
 def test_distributed_data_parallel_over_gloo_equals_one_process_on_the_whole_batch(tmp_path):
