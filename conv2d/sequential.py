@@ -119,18 +119,33 @@ class Sequential:
         As `Conv2d.capture`: `x` and `d_y` are device arrays the graph reads where they
         are, the layers are frozen, `.outputs["y"]` and `.outputs["d_x"]` are what each
         replay writes, and every replay changes the state exactly as an eager step."""
-        if self.backend != "cuda":
-            raise TypeError(f"capture: the {self.backend!r} backend has no CUDA graphs")
+        self._cuda_only("capture")
         check_step_optimizer(optimizer, self.layers, "this Sequential's layers")
+        return self._capture(training_step(self, x, d_y, optimizer), {"x": x, "d_y": d_y},
+                             step_snapshot(self._snapshot, optimizer))
+
+    def capture_evaluate(self, x: Any) -> Any:
+        """CUDA backend: capture evaluate(x) through every layer as one CUDA graph (see
+        `capture`): write new values into `x`, `.replay()`, and read `.outputs["y"]`. An
+        agent acting at batch 1 replays it per step instead of one eager call per layer."""
+        self._cuda_only("capture_evaluate")
+        return self._capture(lambda: {"y": self.evaluate(x)}, {"x": x}, self._snapshot)
+
+    def _cuda_only(self, name: str) -> None:
+        if self.backend != "cuda":
+            raise TypeError(f"{name}: the {self.backend!r} backend has no CUDA graphs")
+
+    def _capture(self, run: Any, inputs: dict, snapshot: Any) -> Any:
+        """The first layer's capture of `run`, every further layer held at the shape the
+        one before gives it."""
         first = self.layers[0]
-        call = first.functions.check_input("x", x)
+        call = first.functions.check_input("x", inputs["x"])
         followers = []
         for layer in self.layers[1:]:
             n, h, w, _ = call.output_shape
             call = layer.spec.at(n, h, w)
             followers.append((layer.functions, call))
-        return first.functions.capture(training_step(self, x, d_y, optimizer), {"x": x, "d_y": d_y},
-                                       step_snapshot(self._snapshot, optimizer), tuple(followers))
+        return first.functions.capture(run, inputs, snapshot, tuple(followers))
 
     def _snapshot(self) -> Any:
         """A function that puts every layer's state, and the inputs the stack keeps, back

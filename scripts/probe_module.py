@@ -85,6 +85,15 @@ def main() -> None:
         x.grad = None
         model(x).backward(dy)
     row("module forward + backward", step)
+
+    # autograd runs the backward of CUDA tensors on its own thread for the device: the
+    # same work, timed there, against the main thread's rows above.
+    on_engine = _EngineProbe(x)
+    row("autograd backward, empty (engine's thread)", lambda: on_engine.run(lambda: None))
+    row("Functions.saved + backward on the engine's thread",
+        lambda: on_engine.run(lambda: fn.backward(params, fn.saved(nhwc, saved_out["pre"], saved_out["mean"],
+                                                                     saved_out["inv_std"], True), d_y, True, True)))
+    row("numba current_context() on the engine's thread", lambda: on_engine.run(cuda.current_context))
     seq = torch.nn.Sequential(torch.nn.Conv2d(spec.in_channels, spec.out_channels, spec.kernel, spec.stride,
                                               spec.padding), torch.nn.BatchNorm2d(spec.out_channels),
                               torch.nn.ReLU()).to("cuda", torch_dtype(spec)).to(memory_format=torch.channels_last)
@@ -93,6 +102,35 @@ def main() -> None:
         x.grad = None
         seq(x).backward(dy)
     row("PyTorch Sequential forward + backward", torch_step)
+
+
+class _EngineProbe:
+    """`run(work)`: one forward and backward of an identity autograd function on x whose
+    backward calls `work()`, so `work` runs where autograd runs a CUDA backward."""
+
+    def __init__(self, x) -> None:
+        import torch
+
+        probe = self
+
+        class Identity(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.view_as(t)
+
+            @staticmethod
+            def backward(ctx, g):
+                probe.work()
+                return g
+
+        self.apply, self.x = Identity.apply, x
+        self.g = torch.ones_like(x)
+        self.work = lambda: None
+
+    def run(self, work) -> None:
+        self.work = work
+        self.x.grad = None
+        self.apply(self.x).backward(self.g)
 
 
 if __name__ == "__main__":

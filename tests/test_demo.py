@@ -5,9 +5,13 @@ is the demo's own), and the teacher-student fit still matches."""
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from conv2d import LayerSpec, Sequential
 from conv2d.cli import main
+from conv2d.demos import breakout
+from conv2d.optim import Adam
 
 pytest.importorskip("sklearn", reason="scikit-learn (the demo extra) is not installed")
 
@@ -64,3 +68,10 @@ def test_a_count_below_one_is_a_usage_error(flag):
     with pytest.raises(SystemExit) as info:
         main(["demo", flag, "0"])
     assert info.value.code == 2
+
+
+def test_the_breakout_graphs_refuse_a_network_with_batch_norm_before_any_capture():
+    q = Sequential.from_specs([LayerSpec(batch_size=4, in_height=10, in_width=10, in_channels=4, out_channels=3,
+                                         kernel=10, normalization="batch_norm")], "reference")
+    with pytest.raises(ValueError, match="^q: layer 0 has batch norm"):
+        breakout._Graphs(q, q, Adam(q), 4, 3, np.dtype(np.float32))

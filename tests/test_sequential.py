@@ -140,6 +140,8 @@ def test_capture_is_refused_on_the_reference_backend():
     x = np.zeros((3, 8, 7, 2))
     with pytest.raises(TypeError, match="^capture: the 'reference' backend has no CUDA graphs"):
         stack().capture(x, np.zeros((3, 1, 1, 3)))
+    with pytest.raises(TypeError, match="^capture_evaluate: the 'reference' backend has no CUDA graphs"):
+        stack().capture_evaluate(x)
 
 
 def test_a_stack_capture_refuses_an_optimizer_over_other_layers_before_any_change():

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
+from conv2d.checks import check_numpy
+from conv2d.cuda.runtime import copy_into, from_device_bits, to_device_bits
+
 
 def _driver():
     from cuda.bindings import driver
@@ -36,9 +41,12 @@ class CapturedGraph:
     """
 
     def __init__(self, stream_ptr: int, synchronize: Callable[[], None], run: Callable[[], dict],
-                 snapshot: Callable[[], Callable[[], None]], inputs: dict) -> None:
+                 snapshot: Callable[[], Callable[[], None]], inputs: dict, stream: Any = None,
+                 dtypes: dict[str, np.dtype] | None = None) -> None:
         driver = _driver()
         self.inputs = inputs
+        self._numba_stream = stream
+        self._dtypes = dtypes or {}
         stream = driver.CUstream(stream_ptr)
         self._stream = stream
         # Warm-up outside the capture: compiles the kernels and builds cuDNN's execution
@@ -62,6 +70,29 @@ class CapturedGraph:
     def replay(self) -> None:
         """Run the captured work once more, asynchronously on the layer's stream."""
         _check("launch", _driver().cuGraphLaunch(self._exec, self._stream))
+
+    def write(self, name: str, a: np.ndarray) -> None:
+        """Copy the host array `a` into the captured input `name` ("x", "d_y"), queued on
+        the graph's stream, so the next `replay()` reads it (one cuMemcpyHtoDAsync; `a` may
+        change once this returns). `a`: C-contiguous, the input's shape, the layer's
+        storage dtype (ml_dtypes.bfloat16 for bfloat16)."""
+        dst = self._array("write", name, self.inputs)
+        check_numpy(f"write({name!r})", a, tuple(dst.shape), self._dtypes[name])
+        copy_into(dst, to_device_bits(a), self._numba_stream)
+
+    def read(self, name: str) -> np.ndarray:
+        """A new host array holding output `name` ("y", "d_x") once the work queued on
+        the graph's stream (the last replay) is done, in the layer's storage dtype."""
+        src = self._array("read", name, self.outputs)
+        host = src.copy_to_host(stream=self._numba_stream)
+        self._numba_stream.synchronize()
+        return from_device_bits(host, self._dtypes[name])
+
+    def _array(self, what: str, name: str, arrays: dict) -> Any:
+        if name not in arrays or name not in self._dtypes or not hasattr(arrays[name], "copy_to_host"):
+            have = sorted(k for k in arrays if k in self._dtypes and hasattr(arrays[k], "copy_to_host"))
+            raise ValueError(f"{what}: expected one of {have} (numba device arrays of this graph), got {name!r}")
+        return arrays[name]
 
     def __del__(self) -> None:
         try:

@@ -305,7 +305,8 @@ class Functions:
             raise RuntimeError(f"{name}: the layer is frozen; pass a device array (a NumPy array would be "
                                f"copied into newly allocated device memory)")
         call = input_spec(name, a, self.spec)
-        return call, device_input(self.cuda, name, a, call.input_shape, self.spec.dtype, self.stream), lib
+        return call, device_input(self.cuda, name, a, call.input_shape, self.spec.dtype, self.stream,
+                                  self._allocator.array), lib
 
     def _arrays(self, group: str, arrays: Mapping[str, Any] | None, names: list[str]) -> dict[str, Any]:
         """Flat device views of the caller's arrays `names` (state layout shapes, or flat),
@@ -686,7 +687,8 @@ class Functions:
             if self._frozen and lib == NUMPY:
                 raise RuntimeError("d_y: the layer is frozen; pass a device array (a NumPy array would be "
                                    "copied into newly allocated device memory)")
-            d_y_dev = device_input(self.cuda, "d_y", d_y, call.output_shape, self.spec.dtype, self.stream)
+            d_y_dev = device_input(self.cuda, "d_y", d_y, call.output_shape, self.spec.dtype, self.stream,
+                                   self._allocator.array)
             p = self._params(params)
             stream = self._enter(lib, d_y)
             g, grads = self._gradients(accumulate, lib, d_y) if want_params else ({}, None)
@@ -794,7 +796,10 @@ class Functions:
         with contextlib.ExitStack() as stack:
             for fn, c in held:
                 stack.enter_context(fn._held_for_capture(c))
-            return CapturedGraph(stream_handle(self.stream), self.stream.synchronize, run, snapshot, inputs)
+            last = followers[-1][0].spec.dtype if followers else self.spec.dtype
+            dtypes = {"x": self.spec.dtype, "d_x": self.spec.dtype, "y": last, "d_y": last}
+            return CapturedGraph(stream_handle(self.stream), self.stream.synchronize, run, snapshot, inputs,
+                                 stream=self.stream, dtypes={k: storage_dtype(d) for k, d in dtypes.items()})
 
     @contextlib.contextmanager
     def _held_for_capture(self, call: LayerSpec) -> Iterator[None]:

@@ -8,6 +8,11 @@ one observation (batch 1) and trains on batches of 32, through the same layers.
 A replay buffer of the last 100k transitions, a target network copied by state every
 1000 steps, Adam, epsilon-greedy exploration from 1 to 0.1 over the first 20% of the
 steps, the Huber loss of the TD error with discount 0.99 (as in MinAtar's DQN baseline).
+
+On the CUDA backend the network's three uses are CUDA graphs (`_Graphs`): acting at batch
+1, the two networks' values of a sampled batch, and the whole training step (zero_grad,
+forward, backward, Adam); one eager call per layer (`_CallByCall`, the reference backend's
+way) costs more host time than these small layers' math.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from conv2d.dtypes import storage_dtype
 from conv2d.host import as_numpy
 from conv2d.optim import Adam
 from conv2d.sequential import Sequential
-from conv2d.spec import LayerSpec
+from conv2d.spec import LayerSpec, Normalization
 
 GAMMA = 0.99
 REPLAY = 100_000
@@ -67,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     target = q_network(len(actions), args.batch_size, args.dtype, args.backend)
     target.load_state_dict(q.state_dict())
     opt = Adam(q, lr=args.lr, preset="pytorch")
+    net = (_Graphs if args.backend == "cuda" else _CallByCall)(q, target, opt, args.batch_size, len(actions), st)
     rng = np.random.default_rng(args.seed + 1)
     n = min(REPLAY, args.steps)
     obs = np.zeros((n, 10, 10, 4), st)
@@ -90,8 +96,7 @@ def run(args: argparse.Namespace) -> int:
         if rng.random() < eps:
             a = int(rng.integers(len(actions)))
         else:
-            values = as_numpy(q.evaluate(state[None]), st).astype(np.float64).reshape(-1)
-            a = int(values.argmax())
+            a = int(net.act(state).astype(np.float64).reshape(-1).argmax())
         r, terminal = env.act(actions[a])
         new_state = env.state().astype(st)
         i = step % n
@@ -109,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             state = new_state
         if step + 1 >= learn_start:
-            _learn(q, target, opt, rng, (obs, next_obs, taken, rewards, done), min(step + 1, n), args.batch_size, st)
+            _learn(net, rng, (obs, next_obs, taken, rewards, done), min(step + 1, n), args.batch_size, st)
         if (step + 1) % TARGET_EVERY == 0:
             target.load_state_dict(q.state_dict())
     bar.close()
@@ -126,21 +131,84 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _learn(q: Sequential, target: Sequential, opt: Adam, rng: np.random.Generator, replay: tuple, size: int,
-           batch: int, st: np.dtype) -> None:
+class _CallByCall:
+    """The Q-network's three uses, one eager call per layer, NumPy in and out."""
+
+    def __init__(self, q: Sequential, target: Sequential, opt: Adam, batch: int, actions: int,
+                 st: np.dtype) -> None:
+        self.q, self.target, self.opt, self.st = q, target, opt, st
+        self._s = None
+
+    def act(self, state: np.ndarray) -> np.ndarray:
+        """Q-values (1, 1, 1, A) of one observation (10, 10, 4)."""
+        return as_numpy(self.q.evaluate(state[None]), self.st)
+
+    def values(self, s: np.ndarray, s2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(Q-values of batch s by the network, of batch s2 by the target network)."""
+        next_values = as_numpy(self.target.evaluate(s2), self.st)
+        self._s = s
+        return as_numpy(self.q.forward(s, training=True), self.st), next_values
+
+    def train(self, d_values: np.ndarray) -> None:
+        """One Adam step on the gradient d_values of the loss by the last `values`' Q-values."""
+        self.opt.zero_grad()
+        self.q.backward(self._s, d_values)
+        self.opt.step()
+
+
+class _Graphs(_CallByCall):
+    """The same three uses as CUDA graphs over device buffers (`write`, `replay`, `read`);
+    the training step recomputes the batch's Q-values, bitwise those `values` read. That
+    holds for a network without batch norm (the values are an `evaluate`, which would
+    normalise with the running statistics, the training step's forward with the batch's)."""
+
+    def __init__(self, q: Sequential, target: Sequential, opt: Adam, batch: int, actions: int,
+                 st: np.dtype) -> None:
+        for i, layer in enumerate(q.layers):
+            if layer.spec.normalization is Normalization.BATCH_NORM:
+                raise ValueError(f"q: layer {i} has batch norm; these graphs value a batch by evaluate, which "
+                                 f"would normalise with the running statistics, not the batch's")
+        from numba import cuda
+
+        from conv2d.cuda.runtime import to_device_bits
+
+        def zeros(*shape: int) -> object:
+            return cuda.to_device(to_device_bits(np.zeros(shape, st)))
+        s = zeros(batch, 10, 10, 4)
+        self._act = q.capture_evaluate(zeros(1, 10, 10, 4))
+        self._q = q.capture_evaluate(s)
+        self._target = target.capture_evaluate(zeros(batch, 10, 10, 4))
+        self._train = q.capture(s, zeros(batch, 1, 1, actions), optimizer=opt)  # reads the s that _q reads
+
+    def act(self, state: np.ndarray) -> np.ndarray:
+        self._act.write("x", state[None])
+        self._act.replay()
+        return self._act.read("y")
+
+    def values(self, s: np.ndarray, s2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        self._target.write("x", s2)
+        self._target.replay()
+        self._q.write("x", s)
+        self._q.replay()
+        return self._q.read("y"), self._target.read("y")
+
+    def train(self, d_values: np.ndarray) -> None:
+        self._train.write("d_y", d_values)
+        self._train.replay()
+
+
+def _learn(net: _CallByCall, rng: np.random.Generator, replay: tuple, size: int, batch: int,
+           st: np.dtype) -> None:
     """One DQN update on a uniform sample of the replay buffer."""
     obs, next_obs, taken, rewards, done = replay
     idx = rng.integers(size, size=batch)
-    s, s2 = obs[idx], next_obs[idx]
-    next_values = as_numpy(target.evaluate(s2), st).astype(np.float64).reshape(batch, -1)
-    y = rewards[idx] + GAMMA * (1.0 - done[idx]) * next_values.max(axis=1)
-    values = as_numpy(q.forward(s, training=True), st).astype(np.float64).reshape(batch, -1)
+    values, next_values = net.values(obs[idx], next_obs[idx])
+    values = values.astype(np.float64).reshape(batch, -1)
+    y = rewards[idx] + GAMMA * (1.0 - done[idx]) * next_values.astype(np.float64).reshape(batch, -1).max(axis=1)
     td = values[np.arange(batch), taken[idx]] - y
     d_values = np.zeros_like(values)
     d_values[np.arange(batch), taken[idx]] = np.clip(td, -1.0, 1.0) / batch  # the Huber loss's gradient
-    opt.zero_grad()
-    q.backward(s, d_values.reshape(batch, 1, 1, -1).astype(st))
-    opt.step()
+    net.train(d_values.reshape(batch, 1, 1, -1).astype(st))
 
 
 def _plot(ends: list[int], returns: list[float], path: str) -> None:

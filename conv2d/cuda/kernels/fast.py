@@ -549,38 +549,41 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
     rows = {k: make_rows(k) for k in (SUM_STATS, SUM_GRADS, WRITE_DZ, WRITE_Y)}
 
     @cuda.jit(device=True, inline=True)
-    def warp_sum(partials, P, G, g, sh, lane):
-        # Sum of partials[p * G + g] over p, by one warp in a fixed order and tree.
-        acc = ZERO
-        for p in range(lane, P, WARP):
-            acc += partials[p * G + g]
-        sh[lane] = acc
-        cuda.syncthreads()
-        width = WARP // 2
+    def tree_sums(s0, s1, t, width):
+        # s0[0] and s1[0] become the sums of s0[:2 * width] and s1[:2 * width], halving in a
+        # fixed tree (so the order of the additions never changes); every thread calls it.
         while width > 0:
-            if lane < width:
-                sh[lane] += sh[lane + width]
+            if t < width:
+                s0[t] += s0[t + width]
+                s1[t] += s1[t + width]
             cuda.syncthreads()
             width //= 2
-        return sh[0]
 
     @cuda.jit(device=True, inline=True)
-    def warp_sums(p0, p1, P, G, g, sh, lane):
-        # The totals of both partial arrays for group g (phase two of every reduction).
-        t0 = warp_sum(p0, P, G, g, sh, lane)
+    def warp_sums(p0, p1, P, G, s0, s1):
+        # The totals of both partial arrays for the block's group g (phase two of every
+        # reduction), by one warp: a strided sum per lane, then the tree.
+        g = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        a0, a1 = ZERO, ZERO
+        for p in range(lane, P, WARP):
+            a0 += p0[p * G + g]
+            a1 += p1[p * G + g]
+        s0[lane] = a0
+        s1[lane] = a1
         cuda.syncthreads()
-        t1 = warp_sum(p1, P, G, g, sh, lane)
-        return t0, t1
+        tree_sums(s0, s1, lane, WARP // 2)
+        return s0[0], s1[0]
 
     @cuda.jit
     def partials_final(p0, p1, P, G, sums):
         """Phase two of both reductions: grid G blocks of one warp; partials are (P, G);
         sums[g] and sums[G + g] receive the two totals of group g."""
-        sh = cuda.shared.array(WARP, dtype=np.float32)
-        g = cuda.blockIdx.x
-        lane = cuda.threadIdx.x
-        t0, t1 = warp_sums(p0, p1, P, G, g, sh, lane)
-        if lane == 0:
+        s0 = cuda.shared.array(WARP, dtype=np.float32)
+        s1 = cuda.shared.array(WARP, dtype=np.float32)
+        t0, t1 = warp_sums(p0, p1, P, G, s0, s1)
+        if cuda.threadIdx.x == 0:
+            g = cuda.blockIdx.x
             sums[g] = t0
             sums[G + g] = t1
 
@@ -614,13 +617,7 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
             s0[t] = a0
             s1[t] = a1
             cuda.syncthreads()
-            width = SEG_THREADS // 2
-            while width > 0:
-                if t < width:
-                    s0[t] += s0[t + width]
-                    s1[t] += s1[t + width]
-                cuda.syncthreads()
-                width //= 2
+            tree_sums(s0, s1, t, SEG_THREADS // 2)
             if t == 0:
                 out0[q * cuda.gridDim.x + n] = s0[0]
                 out1[q * cuda.gridDim.x + n] = s1[0]
@@ -633,11 +630,11 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         """Phase two of layer norm's statistics (one warp per sample g): the shifted
         totals t0 = sum(z - shift), t1 = sum((z - shift)^2), shift = the sample's first
         value, give mean and inv_std."""
-        sh = cuda.shared.array(WARP, dtype=np.float32)
-        g = cuda.blockIdx.x
-        lane = cuda.threadIdx.x
-        t0, t1 = warp_sums(p0, p1, P, G, g, sh, lane)
-        if lane == 0:
+        s0 = cuda.shared.array(WARP, dtype=np.float32)
+        s1 = cuda.shared.array(WARP, dtype=np.float32)
+        t0, t1 = warp_sums(p0, p1, P, G, s0, s1)
+        if cuda.threadIdx.x == 0:
+            g = cuda.blockIdx.x
             shift = load(z, g * S)
             m1 = t0 / count
             var = max(t1 / count - m1 * m1, ZERO)
