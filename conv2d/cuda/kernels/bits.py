@@ -141,76 +141,56 @@ else:
         return _cvt_rn_bf16(v)
 
 
+# Each storage format as four conversions, float32 values in and out: of an array element
+# (`from_element`, `to_element`) and of its bits as uint32 (`from_bits`, `to_bits`), with the
+# bit width (the 8 bytes of `load_u64` hold 64 // width values).
+@cuda.jit(device=True, inline=True)
+def _as_f32(e):
+    return f32(e)
+
+
+@cuda.jit(device=True, inline=True)
+def _to_f16(v):
+    return np.float16(v)
+
+
+_FORMATS = {
+    "bfloat16": (bf16_to_f32, f32_to_bf16, bf16_to_f32, f32_to_bf16, 16),
+    "float16": (_as_f32, _to_f16, f16_bits_to_f32, f16_encode_bits, 16),
+    "float32": (_as_f32, _as_f32, f32_from_bits, f32_bits, 32),
+}
+
+
 def storage_io(storage: str):
     """(load, store, stored, part, encode) device functions for a storage format: float32
     values in and out; `stored(a, i, v)` stores v and returns the value as stored, back in
     float32; `part(raw, v)` is value v of 8 raw bytes (`load_u64`) as float32;
     `encode(v)` is (the bits `stored` would store, as uint64; the value as stored)."""
-    if storage == "bfloat16":
-        @cuda.jit(device=True, inline=True)
-        def load(a, i):
-            return bf16_to_f32(a[i])
+    if storage not in _FORMATS:
+        raise ValueError(f"storage_io: storage {storage!r}, expected one of {sorted(_FORMATS)}")
+    from_element, to_element, from_bits, to_bits, width = _FORMATS[storage]
+    WIDTH, MASK = np.uint64(width), np.uint64((1 << width) - 1)
 
-        @cuda.jit(device=True, inline=True)
-        def store(a, i, v):
-            a[i] = f32_to_bf16(v)
+    @cuda.jit(device=True, inline=True)
+    def load(a, i):
+        return from_element(a[i])
 
-        @cuda.jit(device=True, inline=True)
-        def stored(a, i, v):
-            bits = f32_to_bf16(v)
-            a[i] = bits
-            return bf16_to_f32(bits)
+    @cuda.jit(device=True, inline=True)
+    def store(a, i, v):
+        a[i] = to_element(v)
 
-        @cuda.jit(device=True, inline=True)
-        def part(raw, v):
-            return bf16_to_f32(np.uint32((raw >> np.uint64(16 * v)) & np.uint64(0xFFFF)))
+    @cuda.jit(device=True, inline=True)
+    def stored(a, i, v):
+        e = to_element(v)
+        a[i] = e
+        return from_element(e)
 
-        @cuda.jit(device=True, inline=True)
-        def encode(v):
-            bits = f32_to_bf16(v)
-            return np.uint64(bits), bf16_to_f32(bits)
-    elif storage == "float16":
-        @cuda.jit(device=True, inline=True)
-        def load(a, i):
-            return f32(a[i])
+    @cuda.jit(device=True, inline=True)
+    def part(raw, v):
+        return from_bits(np.uint32((raw >> (WIDTH * np.uint64(v))) & MASK))
 
-        @cuda.jit(device=True, inline=True)
-        def store(a, i, v):
-            a[i] = np.float16(v)
-
-        @cuda.jit(device=True, inline=True)
-        def stored(a, i, v):
-            h = np.float16(v)
-            a[i] = h
-            return f32(h)
-
-        @cuda.jit(device=True, inline=True)
-        def part(raw, v):
-            return f16_bits_to_f32(np.uint32((raw >> np.uint64(16 * v)) & np.uint64(0xFFFF)))
-
-        @cuda.jit(device=True, inline=True)
-        def encode(v):
-            bits = f16_encode_bits(v)
-            return np.uint64(bits), f16_bits_to_f32(bits)
-    else:
-        @cuda.jit(device=True, inline=True)
-        def load(a, i):
-            return f32(a[i])
-
-        @cuda.jit(device=True, inline=True)
-        def store(a, i, v):
-            a[i] = f32(v)
-
-        @cuda.jit(device=True, inline=True)
-        def stored(a, i, v):
-            a[i] = f32(v)
-            return f32(v)
-
-        @cuda.jit(device=True, inline=True)
-        def part(raw, v):
-            return f32_from_bits(np.uint32((raw >> np.uint64(32 * v)) & np.uint64(0xFFFFFFFF)))
-
-        @cuda.jit(device=True, inline=True)
-        def encode(v):
-            return np.uint64(f32_bits(v)), f32(v)
+    @cuda.jit(device=True, inline=True)
+    def encode(v):
+        bits = to_bits(v)
+        return np.uint64(bits), from_bits(bits)
     return load, store, stored, part, encode
