@@ -2,9 +2,11 @@
 timed alone (perf_counter over many calls, the GPU drained before and after), from
 wrapping one tensor for numba up to the whole forward and backward.
 
-    python scripts/probe_module.py [--shape tiny_latency] [--bn] [--dtype float32] [--n 300]
+    python scripts/probe_module.py [--shape tiny_latency] [--bn] [--dtype float32] [--n 300] [--profile]
 
-Prints one line per piece: microseconds of host time per call.
+Prints one line per piece: microseconds of host time per call; `--profile` then prints
+cProfile's top functions of the module's step (with autograd's thread from Python 3.12
+on), by own and by cumulative time.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     one_spec_arguments(ap)
     ap.add_argument("--n", type=int, default=300)
+    ap.add_argument("--profile", action="store_true", help="cProfile the module's step on both threads")
     args = ap.parse_args()
 
     import torch
@@ -85,6 +88,12 @@ def main() -> None:
         x.grad = None
         model(x).backward(dy)
     row("module forward + backward", step)
+    with torch.autograd.set_multithreading_enabled(False):
+        row("module forward + backward, autograd on the calling thread", step)
+    inside = _TimedBackward()
+    with inside:
+        row("module forward + backward (Conv2dFunction.backward timed)", step)
+    print(f"{'  of which inside Conv2dFunction.backward':58s} {inside.us_per_call():9.1f} us", flush=True)
 
     # autograd runs the backward of CUDA tensors on its own thread for the device: the
     # same work, timed there, against the main thread's rows above.
@@ -102,6 +111,56 @@ def main() -> None:
         x.grad = None
         seq(x).backward(dy)
     row("PyTorch Sequential forward + backward", torch_step)
+    if args.profile:
+        _profile(step, args.n)
+
+
+class _TimedBackward:
+    """Within `with`: Conv2dFunction.backward wrapped to time each call where it runs."""
+
+    def __enter__(self):
+        import time
+
+        from conv2d.torch.ops import Conv2dFunction
+
+        self.total, self.calls, self.cls = 0.0, 0, Conv2dFunction
+        self.original = Conv2dFunction.__dict__["backward"]
+        inner = self.original.__func__
+
+        def timed(ctx, d_y):
+            t = time.perf_counter()
+            out = inner(ctx, d_y)
+            self.total += time.perf_counter() - t
+            self.calls += 1
+            return out
+        Conv2dFunction.backward = staticmethod(timed)
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.backward = self.original
+
+    def us_per_call(self) -> float:
+        return self.total / max(self.calls, 1) * 1e6
+
+
+def _profile(step, n: int) -> None:
+    """cProfile of n steps. From Python 3.12 the profiler rides on sys.monitoring, which
+    is process-wide: autograd's thread, where the backward runs, shows in the same
+    profile (the calling thread waits in C meanwhile). Before 3.12 only the calling
+    thread shows."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        step()
+    prof.disable()
+    for order, count in (("tottime", 30), ("cumulative", 30)):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(order).print_stats(count)
+        print(f"--- cProfile, {n} module steps, by {order} ---\n" + out.getvalue(), flush=True)
 
 
 class _EngineProbe:
