@@ -235,9 +235,12 @@ def optim_pytorch(spec, x_host, dy_host, iters: int) -> dict:
     torch.backends.cudnn.deterministic = True
     model = torch_sequential(spec).train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True, capturable=True)
-    x, dy = torch_nchw(x_host, spec), torch_nchw(dy_host, spec)
+    # x requires grad: ours computes d_x in its whole step (backward_full), so PyTorch's
+    # step runs the backward-data convolution too.
+    x, dy = torch_nchw(x_host, spec).requires_grad_(True), torch_nchw(dy_host, spec)
 
     def train():
+        x.grad = None
         model(x).backward(dy)
         opt.step()
 
