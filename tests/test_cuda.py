@@ -168,6 +168,10 @@ def test_two_threads_on_the_same_spec_agree_with_one():
             np.testing.assert_array_equal(r[2][k], alone[2][k], err_msg=k)
 
 
+def _no_copy(shape, dtype):
+    pytest.fail(f"device_input allocated a block {shape} {dtype} for a device array")
+
+
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 def test_torch_tensors_are_used_without_a_copy(dtype):
     torch = pytest.importorskip("torch", reason="torch is not installed")
@@ -177,7 +181,8 @@ def test_torch_tensors_are_used_without_a_copy(dtype):
     layer = make_layer(spec, backend="cuda")
     x, _ = random_inputs(spec)
     xt = torch_cuda(torch, x, dtype)
-    view = device_input(layer.functions.cuda, "x", xt, spec.input_shape, spec.dtype, layer.functions.stream)
+    view = device_input(layer.functions.cuda, "x", xt, spec.input_shape, spec.dtype, layer.functions.stream,
+                        _no_copy)
     assert view.__cuda_array_interface__["data"][0] == xt.data_ptr()
     torch.cuda.synchronize()
     np.testing.assert_array_equal(as_numpy(layer.forward(xt), storage_dtype(spec.dtype)),
@@ -214,7 +219,8 @@ def test_cupy_arrays_are_used_without_a_copy():
     layer = make_layer(spec, backend="cuda")
     x, _ = random_inputs(spec)
     xc = cp.asarray(x)
-    view = device_input(layer.functions.cuda, "x", xc, spec.input_shape, spec.dtype, layer.functions.stream)
+    view = device_input(layer.functions.cuda, "x", xc, spec.input_shape, spec.dtype, layer.functions.stream,
+                        _no_copy)
     assert view.__cuda_array_interface__["data"][0] == xc.data.ptr
     cp.cuda.Device().synchronize()
     np.testing.assert_array_equal(as_numpy(layer.forward(xc)), as_numpy(layer.forward(x)))

@@ -41,12 +41,12 @@ class CapturedGraph:
     """
 
     def __init__(self, stream_ptr: int, synchronize: Callable[[], None], run: Callable[[], dict],
-                 snapshot: Callable[[], Callable[[], None]], inputs: dict, stream: Any = None,
-                 dtypes: dict[str, np.dtype] | None = None) -> None:
+                 snapshot: Callable[[], Callable[[], None]], inputs: dict, stream: Any,
+                 dtypes: dict[str, np.dtype]) -> None:
         driver = _driver()
         self.inputs = inputs
         self._numba_stream = stream
-        self._dtypes = dtypes or {}
+        self._dtypes = dtypes
         stream = driver.CUstream(stream_ptr)
         self._stream = stream
         # Warm-up outside the capture: compiles the kernels and builds cuDNN's execution

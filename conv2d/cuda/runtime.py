@@ -180,30 +180,21 @@ def device_view(cuda, name: str, a: Any, dtype: DType, shape: tuple[int, ...] | 
 
 
 def device_input(cuda, name: str, a: Any, shape: tuple[int, ...], dtype: DType, stream,
-                 allocate: Callable[[tuple[int, ...], np.dtype], Any] | None = None) -> Any:
+                 allocate: Callable[[tuple[int, ...], np.dtype], Any]) -> Any:
     """A numba device array for argument `a` of exactly `shape`, checked before any copy
-    or launch: NumPy arrays are copied to the device (on `stream`, into `allocate(shape,
-    dtype)` where given, e.g. a layer's output blocks); device arrays (numba, torch CUDA
+    or launch: NumPy arrays are copied (`copy_into`, on `stream`) into a new block from
+    `allocate(shape, dtype)` (a layer's output blocks); device arrays (numba, torch CUDA
     tensors, `__cuda_array_interface__` objects) are used in place."""
     if isinstance(a, np.ndarray):
         check_numpy(name, a, shape, storage_dtype(dtype))
-        return host_to_device(cuda, to_device_bits(a), stream, allocate)
+        bits = to_device_bits(a)
+        d = allocate(bits.shape, bits.dtype)
+        copy_into(d, bits, stream)
+        return d
     if not hasattr(a, "shape"):
         raise TypeError(f"{name}: expected a numpy.ndarray or a device array with __cuda_array_interface__, "
                         f"got {describe(a)}")
     return device_view(cuda, name, a, dtype, shape)
-
-
-def host_to_device(cuda, a: np.ndarray, stream, allocate: Callable[[tuple[int, ...], np.dtype], Any] | None) -> Any:
-    """A new device array holding the C-contiguous host array `a`, copied on `stream` into
-    a block from `allocate` (see `copy_into`); without `allocate`, numba's `to_device`.
-    The simulator takes the same path (its allocator and copy are numba's), so CI runs
-    the block handling."""
-    if allocate is None:
-        return cuda.to_device(a, stream=stream)
-    d = allocate(a.shape, a.dtype)
-    copy_into(d, a, stream)
-    return d
 
 
 def copy_into(dst: Any, src: np.ndarray, stream) -> None:
