@@ -38,7 +38,7 @@ def main() -> None:
     x = torch_nchw(x_host, spec).requires_grad_(True)
     dy = torch_nchw(dy_host, spec)
     model(x).backward(dy)
-    fn = next(iter(model._functions.values()))
+    fn, op_key = next(iter(model._functions.values()))
     cuda = fn.cuda
     sync = torch.cuda.synchronize
     nhwc = x.detach().permute(0, 2, 3, 1)
@@ -75,12 +75,13 @@ def main() -> None:
     saved = fn.saved(nhwc, saved_out["pre"], saved_out["mean"], saved_out["inv_std"], True)
     row("Functions.saved", lambda: fn.saved(nhwc, saved_out["pre"], saved_out["mean"], saved_out["inv_std"], True))
     row("Functions.backward (params and input)", lambda: fn.backward(params, saved, d_y, True, True))
-    key = next(iter(model._functions))
-    op_key = model._op_key(key)
+    from conv2d.torch import ops
+
     with torch.no_grad():
-        row("torch.ops.conv2d.forward, no_grad",
-            lambda: torch.ops.conv2d.forward(nhwc, w, params.get("bias"), params.get("gamma"), params.get("beta"),
-                                             None, None, True, op_key))
+        for name, op in (("torch.ops.conv2d.forward", torch.ops.conv2d.forward), ("ops.forward (called directly)",
+                                                                                  ops.forward)):
+            row(f"{name}, no_grad", lambda: op(nhwc, w, params.get("bias"), params.get("gamma"), params.get("beta"),
+                                               None, None, True, op_key))
         row("module forward, no_grad", lambda: model(x))
     row("module forward, grad", lambda: model(x))
 

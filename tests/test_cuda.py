@@ -211,6 +211,32 @@ def test_the_fast_view_of_a_torch_tensor_is_numbas_public_view(dtype, shape):
     np.testing.assert_array_equal(fast.copy_to_host(), public.copy_to_host())
 
 
+def test_a_torch_tensor_is_viewed_by_address_and_numbas_array_over_it_is_the_fast_view():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from conv2d.cuda.private import tensor_view
+    from conv2d.cuda.runtime import device_view, numba_cuda
+    from conv2d.cuda.views import ForeignArray
+    from conv2d.spec import DType
+
+    cuda = numba_cuda()
+    t = torch.arange(24, dtype=torch.float32, device="cuda").reshape(2, 3, 4)
+    view = device_view(cuda, "t", t, DType.FLOAT32, flat=True)
+    assert type(view) is ForeignArray and view.ptr == t.data_ptr() and view.shape == (24,)
+    expected = tensor_view(cuda, t, (24,), np.dtype(np.float32))
+    assert view.numba().__cuda_array_interface__ == expected.__cuda_array_interface__
+    np.testing.assert_array_equal(view.copy_to_host(), np.arange(24, dtype=np.float32))
+
+
+def test_torchs_current_stream_read_through_its_c_binding_is_the_public_one():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from conv2d.cuda.private import torch_raw_stream
+
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.default_stream(), side):
+        with torch.cuda.stream(stream):
+            assert torch_raw_stream(torch.cuda.current_device()) == torch.cuda.current_stream().cuda_stream
+
+
 def test_cupy_arrays_are_used_without_a_copy():
     cp = pytest.importorskip("cupy", reason="cupy is not installed")
     from conv2d.cuda.runtime import device_input

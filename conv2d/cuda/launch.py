@@ -20,11 +20,14 @@ import inspect
 from typing import Any, Mapping
 
 from conv2d.cuda.runtime import simulating
+from conv2d.cuda.views import ForeignArray, as_numba
 
 
 def device_pointer(a: Any) -> int:
-    """The device address of a numba device array (in numba's simulator, the address of
-    the host memory its array wraps)."""
+    """The device address of a numba device array or a ForeignArray (in numba's
+    simulator, the address of the host memory its array wraps)."""
+    if type(a) is ForeignArray:
+        return a.ptr
     ptr = getattr(a, "device_ctypes_pointer", None)
     if ptr is None:
         return int(a.ctypes.data)
@@ -39,8 +42,9 @@ class Launch:
     """One kernel with its grid, block, stream and arguments, ready to launch.
 
     `args` maps each of the kernel's parameter names to what the dispatcher would be
-    called with: numba device arrays (the kernels here index them flat, so each is
-    passed as its 1-D view) and scalars (numpy scalar types or bool).
+    called with: numba device arrays or ForeignArrays (the kernels here index them flat,
+    so each is passed as its 1-D view) and scalars (numpy scalar types or bool). numba
+    types and packs the first arguments; later ones go to the driver as addresses alone.
     `launch(name=value, ...)` replaces those arguments, each by a device array of the
     same size and dtype or a scalar of the same type, and launches. With `fast=False` every
     call goes through numba's dispatcher (the public path the prepared one is tested
@@ -59,7 +63,7 @@ class Launch:
         self.stream = stream
         self.names = names
         self._index = {n: i for i, n in enumerate(names)}
-        self.args = [_flat(args[n]) for n in names]
+        self.args = [as_numba(_flat(args[n])) for n in names]
         self._raw = None
         if fast and not simulating():
             self._prepare()
@@ -103,6 +107,7 @@ class Launch:
         if self._raw is None:
             if getattr(value, "ndim", 0) != getattr(prepared, "ndim", 0):
                 value = value.reshape(prepared.shape)
+            value = as_numba(value)
         else:
             slot = self._slots[self._slot[i]]
             slot.value = device_pointer(value) if hasattr(value, "device_ctypes_pointer") else value

@@ -11,6 +11,9 @@ release that moves one of these shows up as a failing test, with a working fallb
   and `MemoryPointer` directly (no context check, no driver call): the layer's output
   blocks (memory.OutputAllocator) and torch tensors (`tensor_view`). Public path:
   `from_cuda_array_interface` (`interface_view`).
+- torch, the current stream: `torch_raw_stream` reads it through torch's C binding
+  (`_cuda_getCurrentRawStream`, an int) rather than building a `torch.cuda.Stream`
+  object on every call. Public path: `torch.cuda.current_stream(device).cuda_stream`.
 - cudnn-frontend, execution: `native_execute` prepares the frontend's native entry point
   over an array of pointers in the graph's uid order (`_execute_with_raw_ptrs`), 6 us
   against 25-30 us for `execute`. Public path: `graph.execute({uid: pointer}, workspace, handle=)`.
@@ -104,6 +107,17 @@ def interface_view(cuda: Any, t: Any, shape: tuple[int, ...], dtype: np.dtype) -
     iface = {"shape": tuple(shape), "typestr": np.dtype(dtype).str, "data": (t.data_ptr(), False), "version": 2,
              "strides": None}
     return cuda.from_cuda_array_interface(iface, owner=t, sync=False)
+
+
+# torch: the current stream -----------------------------------------------------------------
+def torch_raw_stream(device: int) -> int:
+    """The CUstream of torch's current stream on CUDA device `device`, as an int."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device))
+    return int(torch.cuda.current_stream(device).cuda_stream)
 
 
 # cudnn-frontend: execution -----------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from conv2d.checks import c_contiguous_strides, check_numpy, describe
+from conv2d.cuda.views import ForeignArray
 from conv2d.dtypes import storage_dtype
 from conv2d.spec import DType
 
@@ -121,12 +122,23 @@ def from_device_bits(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return a.view(dtype) if a.dtype != dtype else a
 
 
-def _torch_dtype_name(a: Any) -> str | None:
-    dt = getattr(a, "dtype", None)
-    return str(dt) if dt is not None and str(dt).startswith("torch.") else None
-
-
 _TYPESTR = {"torch.float32": "<f4", "torch.float16": "<f2", "torch.bfloat16": "<u2"}
+_TORCH_DTYPES: dict = {}  # an array's dtype object -> (is torch's, device dtype or None), seen once
+
+
+def _torch_dtype(a: Any) -> tuple[bool, np.dtype | None]:
+    """(whether `a`'s dtype is a torch dtype, the device dtype of its storage: float32,
+    float16, or uint16 for bfloat16; None for other torch dtypes), cached per dtype
+    (str() of a torch dtype costs a microsecond, and this runs for every tensor a step)."""
+    dt = getattr(a, "dtype", None)
+    found = _TORCH_DTYPES.get(dt)
+    if found is None:
+        name = str(dt) if dt is not None else ""
+        typestr = _TYPESTR.get(name)
+        found = (name.startswith("torch."), None if typestr is None else np.dtype(typestr))
+        if dt is not None:
+            _TORCH_DTYPES[dt] = found
+    return found
 
 
 def _want(dtype: DType) -> str:
@@ -136,35 +148,33 @@ def _want(dtype: DType) -> str:
 
 def device_view(cuda, name: str, a: Any, dtype: DType, shape: tuple[int, ...] | None = None,
                 flat: bool = False) -> Any:
-    """A numba device array over the device array `a` (numba, torch CUDA, or any
+    """A device array over the device array `a` (numba, torch CUDA, or any
     `__cuda_array_interface__` object such as CuPy's), no copy, after checking its dtype
     (the storage dtype, or uint16 bits for bfloat16), C-contiguity and, if given, `shape`
-    (with `flat`, its size alone); `flat` gives a 1-D view. Raises before any work."""
+    (with `flat`, its size alone); `flat` gives a 1-D view. Raises before any work.
+    A torch tensor gives a `views.ForeignArray` (its address; numba's array only when
+    numba is handed it), anything else a numba array."""
     st, dev_dt = storage_dtype(dtype), device_dtype(dtype)
     got_shape = tuple(a.shape)
     size = math.prod(got_shape)  # math.prod: np.prod costs microseconds, and this runs on every call
     if shape is not None and got_shape != tuple(shape) and not (flat and size == math.prod(shape)):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {describe(a)}")
-    if hasattr(a, "copy_to_host") and hasattr(a, "is_c_contiguous"):
+    is_torch, torch_dev_dt = _torch_dtype(a)
+    if is_torch:
+        if not a.is_cuda:
+            raise TypeError(f"{name}: expected a CUDA tensor, a device array or a NumPy array, got a CPU tensor")
+        if torch_dev_dt != dev_dt:
+            raise TypeError(f"{name}: expected dtype {st}, got {describe(a)} (nothing is cast silently)")
+        if not a.is_contiguous():
+            raise ValueError(f"{name}: expected a C-contiguous array, got strides {tuple(a.stride())} (elements)")
+        return ForeignArray(a.data_ptr(), (size,) if flat else got_shape, dev_dt, a)
+    if type(a) is ForeignArray or (hasattr(a, "copy_to_host") and hasattr(a, "is_c_contiguous")):
         # numba's own device arrays: checked from their attributes and used as they are.
         if np.dtype(a.dtype) != dev_dt:
             raise TypeError(f"{name}: expected dtype {_want(dtype)}, got {describe(a)} (nothing is cast silently)")
         if not a.is_c_contiguous():
             raise ValueError(f"{name}: expected a C-contiguous array, got strides {tuple(a.strides)} (bytes)")
         return a.reshape(size) if flat and a.ndim != 1 else a
-    torch_dt = _torch_dtype_name(a)
-    if torch_dt is not None:
-        if not a.is_cuda:
-            raise TypeError(f"{name}: expected a CUDA tensor, a device array or a NumPy array, got a CPU tensor")
-        typestr = _TYPESTR.get(torch_dt)
-        if typestr is None or np.dtype(typestr) not in (st, dev_dt) or (torch_dt == "torch.bfloat16") != (
-                dev_dt != st):
-            raise TypeError(f"{name}: expected dtype {st}, got {describe(a)} (nothing is cast silently)")
-        if not a.is_contiguous():
-            raise ValueError(f"{name}: expected a C-contiguous array, got strides {tuple(a.stride())} (elements)")
-        from conv2d.cuda.private import tensor_view
-
-        return tensor_view(cuda, a, (size,) if flat else got_shape, np.dtype(typestr))
     if hasattr(a, "__cuda_array_interface__"):
         iface = a.__cuda_array_interface__
         got_dt = np.dtype(iface["typestr"])
@@ -240,17 +250,24 @@ def torch_tensor_over(a: Any, ptr: int, shape: tuple[int, ...], dtype: DType) ->
     return t.view(torch.bfloat16) if bf16 else t
 
 
-def torch_dtype(dtype: DType) -> Any:
-    import torch
+_TORCH_OF: dict = {}
 
-    return {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}[DType(dtype)]
+
+def torch_dtype(dtype: DType) -> Any:
+    found = _TORCH_OF.get(dtype)
+    if found is None:
+        import torch
+
+        found = _TORCH_OF[dtype] = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16,
+                                    DType.BFLOAT16: torch.bfloat16}[DType(dtype)]
+    return found
 
 
 def torch_current_stream(t: Any) -> int:
     """The CUstream of torch's current stream on tensor t's device, as an int."""
-    import torch
+    from conv2d.cuda.private import torch_raw_stream
 
-    return int(torch.cuda.current_stream(t.device).cuda_stream)
+    return torch_raw_stream(t.get_device())
 
 
 def zero_fill(cuda, a: Any, stream) -> None:

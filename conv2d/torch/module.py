@@ -138,25 +138,23 @@ class Conv2dNormActivation(nn.Module):
 
     def _functions_for(self, x: torch.Tensor) -> str:
         """The ops' key of the backend's functions for x's device and dtype (made once)."""
+        key = (x.device, x.dtype)
+        found = self._functions.get(key)
+        if found is not None:
+            return found[1]
         backend = "cuda" if x.is_cuda else "reference"
-        key = (backend, x.dtype, x.device)
-        fn = self._functions.get(key)
-        if fn is None:
-            if x.dtype not in _DTYPES:
-                raise TypeError(f"x: expected a float64, float32, float16 or bfloat16 tensor, got {x.dtype}")
-            spec = self._spec_for(_DTYPES[x.dtype])
-            options = self.backend_options if backend == "cuda" else {}
-            if backend == "cuda":
-                with torch.cuda.device(x.device):
-                    fn = make_functions(backend, spec, **options)
-            else:
-                fn = make_functions(backend, spec)
-            self._functions[key] = fn
-            ops.register(self._op_key(key), fn)
-        return self._op_key(key)
-
-    def _op_key(self, key: tuple) -> str:
-        return f"{id(self)}:{key[0]}:{key[1]}:{key[2]}"
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"x: expected a float64, float32, float16 or bfloat16 tensor, got {x.dtype}")
+        spec = self._spec_for(_DTYPES[x.dtype])
+        if backend == "cuda":
+            with torch.cuda.device(x.device):
+                fn = make_functions(backend, spec, **self.backend_options)
+        else:
+            fn = make_functions(backend, spec)
+        op_key = f"{id(self)}:{backend}:{x.dtype}:{x.device}"
+        self._functions[key] = (fn, op_key)
+        ops.register(op_key, fn)
+        return op_key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() != 4:

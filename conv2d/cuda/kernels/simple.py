@@ -27,6 +27,7 @@ from conv2d.activations import Activation
 from conv2d.cuda.kernels.activation import activation_functions
 from conv2d.cuda.kernels.bits import storage_io
 from conv2d.cuda.runtime import numba_cuda
+from conv2d.cuda.views import as_numba
 
 cuda = numba_cuda()
 f32 = np.float32
@@ -250,7 +251,7 @@ class Scratch:
 def _run(kernel, n: int, stream, *args) -> None:
     """`kernel` over n items on `stream`; the kernels index arrays flat."""
     blocks, threads = grid(n)
-    flat = [a.reshape(a.size) if getattr(a, "ndim", 1) > 1 else a for a in args]
+    flat = [as_numba(a.reshape(a.size) if getattr(a, "ndim", 1) > 1 else a) for a in args]
     kernel[blocks, threads, stream](*flat)
 
 
