@@ -147,7 +147,8 @@ for _name, _impl, _fake in (("forward", forward, _forward_fake), ("backward", ba
 def _eager(t: Tensor) -> bool:
     """Whether `Conv2dFunction` calls the ops' implementations itself: in eager mode on
     plain tensors, where going through torch's dispatcher only comes back to the same
-    Python function (a round trip that cost 40-90 us a call on the H200's host). Under
+    Python function (the round trip measured ~10 us a call on the H200's host:
+    scripts/probe_module.py, 88.5 against 78.6 us for the forward). Under
     torch.compile, and for tensor subclasses (FakeTensor, ...), the registered ops."""
     return not torch.compiler.is_compiling() and type(t) is Tensor
 
