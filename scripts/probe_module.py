@@ -93,8 +93,8 @@ def main() -> None:
         row("module forward + backward, autograd on the calling thread", step)
     inside = _TimedBackward()
     with inside:
-        row("module forward + backward (Conv2dFunction.backward timed)", step)
-    print(f"{'  of which inside Conv2dFunction.backward':58s} {inside.us_per_call():9.1f} us", flush=True)
+        row("module forward + backward (EagerConv2d.backward timed)", step)
+    print(f"{'  of which inside EagerConv2d.backward':58s} {inside.us_per_call():9.1f} us", flush=True)
 
     # autograd runs the backward of CUDA tensors on its own thread for the device: the
     # same work, timed there, against the main thread's rows above.
@@ -117,15 +117,16 @@ def main() -> None:
 
 
 class _TimedBackward:
-    """Within `with`: Conv2dFunction.backward wrapped to time each call where it runs."""
+    """Within `with`: EagerConv2d.backward (the module's eager node) wrapped to time each
+    call where it runs."""
 
     def __enter__(self):
         import time
 
-        from conv2d.torch.ops import Conv2dFunction
+        from conv2d.torch.eager import EagerConv2d
 
-        self.total, self.calls, self.cls = 0.0, 0, Conv2dFunction
-        self.original = Conv2dFunction.__dict__["backward"]
+        self.total, self.calls, self.cls = 0.0, 0, EagerConv2d
+        self.original = EagerConv2d.__dict__["backward"]
         inner = self.original.__func__
 
         def timed(ctx, d_y):
@@ -134,7 +135,7 @@ class _TimedBackward:
             self.total += time.perf_counter() - t
             self.calls += 1
             return out
-        Conv2dFunction.backward = staticmethod(timed)
+        EagerConv2d.backward = staticmethod(timed)
         return self
 
     def __exit__(self, *exc):

@@ -156,6 +156,50 @@ def test_a_parameter_changed_in_place_before_backward_raises():
 
 
 @pytest.mark.parametrize("norm", NORMS)
+def test_an_eager_step_is_one_autograd_node_and_the_ops_path_gives_the_same_bitwise(norm):
+    # Eager calls go through EagerConv2d (the functional Saved kept in autograd's
+    # context); a weight in another memory format goes through the registered ops, as
+    # torch.compile does: both give the same values, bitwise.
+    module, _ = module_and_sequential(norm, "gelu")
+    other, _ = module_and_sequential(norm, "gelu")
+    with torch.no_grad():
+        other.conv.weight.data = other.conv.weight.contiguous()  # NCHW memory: the ops path
+    x, d_y = channels_last((2, 3, 5, 4)), channels_last((2, 5, 5, 4), seed=2)
+    y = module(x.requires_grad_(True))
+    assert type(y.grad_fn.next_functions[0][0]).__name__ == "EagerConv2dBackward"
+    assert type(other(x).grad_fn.next_functions[0][0]).__name__ == "Conv2dFunctionBackward"
+    got, want = run(module, x, d_y), run(other, x, d_y)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for k in want[2]:
+        assert torch.equal(got[2][k], want[2][k]), k
+
+
+def test_a_parameter_given_new_memory_is_read_from_there_on_the_next_call():
+    module, theirs = module_and_sequential("batch_norm", "relu")
+    x = channels_last((2, 3, 4, 4))
+    module(x)
+    theirs(x)
+    new = torch.randn_like(module.conv.weight).contiguous(memory_format=torch.channels_last)
+    module.conv.weight.data = new  # the same Parameter over new memory
+    theirs[0].weight.data = new.clone()
+    module.norm.running_mean = torch.full_like(module.norm.running_mean, 0.5)  # a new buffer object
+    theirs[1].running_mean = torch.full_like(theirs[1].running_mean, 0.5)
+    torch.testing.assert_close(module(x), theirs(x), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(module.norm.running_mean, theirs[1].running_mean, rtol=1e-12, atol=1e-14)
+
+
+def test_backward_twice_through_a_retained_graph_gives_twice_the_gradients():
+    module, _ = module_and_sequential("batch_norm", "tanh")
+    x = channels_last((2, 3, 4, 4)).requires_grad_(True)
+    y = module(x)
+    y.sum().backward(retain_graph=True)
+    once = x.grad.clone(), module.conv.weight.grad.clone()
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * once[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(module.conv.weight.grad, 2 * once[1], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("norm", NORMS)
 def test_a_step_keeps_no_part_of_its_autograd_graph_alive(norm):
     from conftest import autograd_history_kept
 

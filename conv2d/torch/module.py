@@ -8,9 +8,11 @@ buffers, with the Sequential's names ("0.weight", "0.bias", "1.weight", "1.bias"
 as it is; the convolution weight is (OC, IC, KH, KW) in channels_last memory, which is
 this library's (OC, KH, KW, IC). Both backends' functions read them in place: CPU tensors
 run on the reference backend, CUDA tensors on the CUDA backend (on torch's current
-stream). The layer is two custom ops (`conv2d.torch.ops`: forward, and backward through
-the same functions) with autograd between them: `torch.compile` sees one opaque op, and
-torch accumulates the gradients.
+stream). In eager mode a call is one autograd node over the backend's functions
+(`conv2d.torch.eager`); under `torch.compile` (and for tensor subclasses) it is two custom
+ops (`conv2d.torch.ops`: forward, and backward through the same functions) with autograd
+between them, so that the compiler sees one opaque op. Both give the same values
+bitwise; torch accumulates the gradients.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from torch import nn
 from conv2d.activations import Activation
 from conv2d.backend import make_functions
 from conv2d.spec import DType, LayerSpec, Normalization, _pair
-from conv2d.torch import ops
+from conv2d.torch import eager, ops
 
 _DTYPES = {torch.float64: DType.FLOAT64, torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16,
            torch.bfloat16: DType.BFLOAT16}
 _SIXTEEN = (torch.float16, torch.bfloat16)
+_PLAIN = (torch.Tensor, nn.Parameter)  # not subclasses (DTensor, FakeTensor, ...): those take the ops
 
 
 class _ConvParameters(nn.Module):
@@ -112,6 +115,7 @@ class Conv2dNormActivation(nn.Module):
                                                      dtype))
         self.backend_options = backend_options
         self._functions: dict = {}
+        self._views = eager.ParameterViews()
 
     @property
     def conv(self) -> _ConvParameters:
@@ -126,6 +130,12 @@ class Conv2dNormActivation(nn.Module):
         """The layer's spec at the module's current dtype (batch and input size unplanned)."""
         return self._spec_for(_DTYPES[self.conv.weight.dtype])
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "Conv2dNormActivation":
+        # .to(), .cuda(), .double(), ... give the parameters new memory: drop the views of
+        # the old (they would keep it alive until the next call noticed).
+        self._views = eager.ParameterViews()
+        return super()._apply(fn, recurse)
+
     def extra_repr(self) -> str:
         s = self._spec
         return (f"{s.in_channels}, {s.out_channels}, kernel_size={s.kernel}, stride={s.stride}, "
@@ -136,12 +146,12 @@ class Conv2dNormActivation(nn.Module):
     def _spec_for(self, dtype: DType) -> LayerSpec:
         return dataclasses.replace(self._spec, dtype=dtype)
 
-    def _functions_for(self, x: torch.Tensor) -> str:
-        """The ops' key of the backend's functions for x's device and dtype (made once)."""
+    def _functions_for(self, x: torch.Tensor) -> tuple[Any, str]:
+        """(the backend's functions, their ops key) for x's device and dtype (made once)."""
         key = (x.device, x.dtype)
         found = self._functions.get(key)
         if found is not None:
-            return found[1]
+            return found
         backend = "cuda" if x.is_cuda else "reference"
         if x.dtype not in _DTYPES:
             raise TypeError(f"x: expected a float64, float32, float16 or bfloat16 tensor, got {x.dtype}")
@@ -152,9 +162,9 @@ class Conv2dNormActivation(nn.Module):
         else:
             fn = make_functions(backend, spec)
         op_key = f"{id(self)}:{backend}:{x.dtype}:{x.device}"
-        self._functions[key] = (fn, op_key)
+        found = self._functions[key] = (fn, op_key)
         ops.register(op_key, fn)
-        return op_key
+        return found
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
@@ -164,28 +174,35 @@ class Conv2dNormActivation(nn.Module):
         if x.dtype != weight.dtype or x.device != weight.device:
             raise TypeError(f"x: expected a {weight.dtype} tensor on {weight.device} (the module's), got "
                             f"{x.dtype} on {x.device}")
-        key = self._functions_for(x)
-        if self.layout == "NHWC":
-            nhwc = x.contiguous()  # x itself when contiguous
+        fn, key = self._functions_for(x)
+        nchw = self.layout == "NCHW"
+        if nchw:
+            if not x.permute(0, 2, 3, 1).is_contiguous():
+                x = x.contiguous(memory_format=torch.channels_last)  # one copy, differentiable
         else:
-            nhwc = x.permute(0, 2, 3, 1)
-            if not nhwc.is_contiguous():
-                nhwc = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
-        w = weight.permute(0, 2, 3, 1)
-        if not w.is_contiguous():  # a weight the caller made contiguous_format: one copy, differentiable
-            w = weight.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
-        norm = self.norm
-        gamma = beta = running = None
+            x = x.contiguous()  # x itself when contiguous
+        bias, norm = self.conv.bias, self.norm
+        gamma = beta = running_mean = running_var = None
         if norm is not None:
             gamma, beta = norm.weight, norm.bias
             if self._spec.normalization is Normalization.BATCH_NORM:
-                running = {"running_mean": norm.running_mean, "running_var": norm.running_var}
+                running_mean, running_var = norm.running_mean, norm.running_var
                 if self.training:
                     norm.num_batches_tracked.add_(1)
-        y = ops.Conv2dFunction.apply(nhwc, w, self.conv.bias, gamma, beta, running and running["running_mean"],
-                                     running and running["running_var"], self.training,
-                                     self._spec.batch_statistics(self.training), key)
-        return y if self.layout == "NHWC" else y.permute(0, 3, 1, 2)
+        w = weight.permute(0, 2, 3, 1)
+        if w.is_contiguous() and type(x) is torch.Tensor and type(weight) in _PLAIN and \
+                not torch.compiler.is_compiling():
+            params, running = self._views.get(weight, bias, gamma, beta, running_mean, running_var)
+            y = eager.EagerConv2d.apply(x, weight, bias, gamma, beta, running_mean, running_var,
+                                        eager.Call(fn, params, running, self.training, nchw))
+        else:
+            # torch.compile, tensor subclasses, and a weight in another memory format (one
+            # differentiable copy): the registered ops, with the permutes in the graph.
+            if not w.is_contiguous():
+                w = weight.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
+            y = ops.Conv2dFunction.apply(x.permute(0, 2, 3, 1) if nchw else x, w, bias, gamma, beta, running_mean,
+                                         running_var, self.training, self._spec.batch_statistics(self.training), key)
+        return y.permute(0, 3, 1, 2) if nchw else y
 
 
 def activation_module(name: str | Activation) -> nn.Module:

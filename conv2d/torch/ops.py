@@ -1,6 +1,7 @@
 """The layer as two PyTorch operators, `conv2d::forward` and `conv2d::backward`, over a
 backend's functions, and `Conv2dFunction`, the autograd function between them: what
-`Conv2dNormActivation` calls.
+`Conv2dNormActivation` calls under torch.compile and for tensor subclasses (in eager mode
+it calls `conv2d.torch.eager`: the same functions without the round trip through tensors).
 
 The operators are opaque to `torch.compile` (one node each, no graph break) and take and
 return tensors only, so the forward returns its saved values as tensors (the
@@ -57,6 +58,17 @@ def _groups(fn: Any, n: int) -> int:
     return {Normalization.BATCH_NORM: fn.spec.out_channels, Normalization.LAYER_NORM: n}.get(norm, 0)
 
 
+def saved_outputs(fn: Any, x: Tensor) -> dict[str, Tensor]:
+    """New tensors for the CUDA functions' saved values of a forward on x (N, H, W, C):
+    "pre" (N, OH, OW, OC) in x's dtype, "mean" and "inv_std" float32 per norm group (one
+    element without a norm)."""
+    shape = fn.spec.at(*x.shape[:3]).output_shape
+    groups = max(_groups(fn, x.shape[0]), 1)
+    return {"pre": torch.empty(shape, dtype=x.dtype, device=x.device),
+            "mean": torch.empty(groups, dtype=torch.float32, device=x.device),
+            "inv_std": torch.empty(groups, dtype=torch.float32, device=x.device)}
+
+
 def _params(weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor]) -> dict:
     params = {"weights": weight}
     if bias is not None:
@@ -85,11 +97,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[T
     running = None if running_mean is None else {"running_mean": running_mean, "running_var": running_var}
     params = _params(weight, bias, gamma, beta)
     if x.is_cuda:
-        call = fn.spec.at(*x.shape[:3])
-        groups = max(_groups(fn, x.shape[0]), 1)
-        saved_out = {"pre": torch.empty(call.output_shape, dtype=x.dtype, device=x.device),
-                     "mean": torch.empty(groups, dtype=torch.float32, device=x.device),
-                     "inv_std": torch.empty(groups, dtype=torch.float32, device=x.device)}
+        saved_out = saved_outputs(fn, x)
         y, _ = fn.forward(params, x, training, running, saved_out=saved_out)
         stats = [saved_out["mean"], saved_out["inv_std"]]
         pre = saved_out["pre"]
