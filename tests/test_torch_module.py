@@ -199,6 +199,16 @@ def test_backward_twice_through_a_retained_graph_gives_twice_the_gradients():
     torch.testing.assert_close(module.conv.weight.grad, 2 * once[1], rtol=1e-12, atol=0)
 
 
+def test_a_second_derivative_is_refused_not_returned_as_zero():
+    module, _ = module_and_sequential("none", "tanh")
+    x = channels_last((2, 3, 4, 4)).requires_grad_(True)
+    y = module(x)
+    v = torch.ones_like(y).requires_grad_(True)  # a d_y with a graph of its own: d_x would depend on it
+    (d_x,) = torch.autograd.grad(y, x, v, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        d_x.sum().backward()
+
+
 @pytest.mark.parametrize("norm", NORMS)
 def test_a_step_keeps_no_part_of_its_autograd_graph_alive(norm):
     from conftest import autograd_history_kept

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from conv2d.torch.ops import saved_outputs
 
@@ -101,6 +102,7 @@ class EagerConv2d(torch.autograd.Function):
         return y.detach()
 
     @staticmethod
+    @once_differentiable  # its gradients have no graph: a double backward raises, not returns zeros
     def backward(ctx: Any, d_y: Tensor) -> tuple:
         ctx.saved_tensors  # raises if x or a parameter was changed in place after the forward
         call, needs = ctx.call, ctx.needs_input_grad
