@@ -156,22 +156,29 @@ def test_a_parameter_changed_in_place_before_backward_raises():
 
 
 @pytest.mark.parametrize("norm", NORMS)
-def test_an_eager_step_is_one_autograd_node_and_the_ops_path_gives_the_same_bitwise(norm):
-    # Eager calls go through EagerConv2d (the functional Saved kept in autograd's
-    # context); a weight in another memory format goes through the registered ops, as
-    # torch.compile does: both give the same values, bitwise.
+def test_an_eager_step_is_one_autograd_node(norm):
+    module, _ = module_and_sequential(norm, "gelu")
+    y = module(channels_last((2, 3, 5, 4)).requires_grad_(True))
+    node = y.grad_fn.next_functions[0][0]  # y is the node's NHWC output, permuted to NCHW
+    assert type(node).__name__ == "EagerConv2dBackward"
+    assert all(type(f).__name__ in ("AccumulateGrad", "NoneType") for f, _ in node.next_functions)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_a_weight_in_another_memory_format_gives_the_same_values_and_gradients_bitwise(norm):
+    # Its channels_last copy is what the node reads; the gradient comes back to the
+    # parameter through that copy, in the parameter's own memory format.
     module, _ = module_and_sequential(norm, "gelu")
     other, _ = module_and_sequential(norm, "gelu")
     with torch.no_grad():
-        other.conv.weight.data = other.conv.weight.contiguous()  # NCHW memory: the ops path
+        other.conv.weight.data = other.conv.weight.contiguous()  # NCHW memory
     x, d_y = channels_last((2, 3, 5, 4)), channels_last((2, 5, 5, 4), seed=2)
-    y = module(x.requires_grad_(True))
-    assert type(y.grad_fn.next_functions[0][0]).__name__ == "EagerConv2dBackward"
-    assert type(other(x).grad_fn.next_functions[0][0]).__name__ == "Conv2dFunctionBackward"
-    got, want = run(module, x, d_y), run(other, x, d_y)
+    got, want = run(other, x, d_y), run(module, x, d_y)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     for k in want[2]:
         assert torch.equal(got[2][k], want[2][k]), k
+    assert other.conv.weight.grad.is_contiguous()
+    assert other.conv.weight.is_contiguous()  # the parameter is read, never rewritten in place
 
 
 def test_a_parameter_given_new_memory_is_read_from_there_on_the_next_call():

@@ -189,17 +189,20 @@ class Conv2dNormActivation(nn.Module):
                 running_mean, running_var = norm.running_mean, norm.running_var
                 if self.training:
                     norm.num_batches_tracked.add_(1)
-        w = weight.permute(0, 2, 3, 1)
-        if w.is_contiguous() and type(x) is torch.Tensor and type(weight) in _PLAIN and \
-                not torch.compiler.is_compiling():
-            params, running = self._views.get(weight, bias, gamma, beta, running_mean, running_var)
+        if type(x) is torch.Tensor and type(weight) in _PLAIN and not torch.compiler.is_compiling():
+            if weight.permute(0, 2, 3, 1).is_contiguous():
+                params, running = self._views.get(weight, bias, gamma, beta, running_mean, running_var)
+            else:
+                # A weight in another memory format: its channels_last copy (one
+                # differentiable copy a call), read through dicts of this call alone.
+                weight = weight.contiguous(memory_format=torch.channels_last)
+                params, running = eager.ParameterViews().get(weight, bias, gamma, beta, running_mean, running_var)
             y = eager.EagerConv2d.apply(x, weight, bias, gamma, beta, running_mean, running_var,
                                         eager.Call(fn, params, running, self.training, nchw))
         else:
-            # torch.compile, tensor subclasses, and a weight in another memory format (one
-            # differentiable copy): the registered ops, with the permutes in the graph.
-            if not w.is_contiguous():
-                w = weight.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
+            # torch.compile and tensor subclasses: the registered ops, with the permutes in
+            # the graph.
+            w = weight.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
             y = ops.Conv2dFunction.apply(x.permute(0, 2, 3, 1) if nchw else x, w, bias, gamma, beta, running_mean,
                                          running_var, self.training, self._spec.batch_statistics(self.training), key)
         return y.permute(0, 3, 1, 2) if nchw else y

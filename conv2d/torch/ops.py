@@ -1,7 +1,8 @@
 """The layer as two PyTorch operators, `conv2d::forward` and `conv2d::backward`, over a
 backend's functions, and `Conv2dFunction`, the autograd function between them: what
-`Conv2dNormActivation` calls under torch.compile and for tensor subclasses (in eager mode
-it calls `conv2d.torch.eager`: the same functions without the round trip through tensors).
+`Conv2dNormActivation` calls under torch.compile and for tensor subclasses, always through
+torch's dispatcher (for plain tensors in eager mode it calls `conv2d.torch.eager`: the
+same functions without the round trip through tensors).
 
 The operators are opaque to `torch.compile` (one node each, no graph break) and take and
 return tensors only, so the forward returns its saved values as tensors (the
@@ -152,15 +153,6 @@ for _name, _impl, _fake in (("forward", forward, _forward_fake), ("backward", ba
     torch.library.register_fake(f"conv2d::{_name}", _fake, lib=_LIB)
 
 
-def _eager(t: Tensor) -> bool:
-    """Whether `Conv2dFunction` calls the ops' implementations itself: in eager mode on
-    plain tensors, where going through torch's dispatcher only comes back to the same
-    Python function (the round trip measured ~10 us a call on the H200's host:
-    scripts/probe_module.py, 88.5 against 78.6 us for the forward). Under
-    torch.compile, and for tensor subclasses (FakeTensor, ...), the registered ops."""
-    return not torch.compiler.is_compiling() and type(t) is Tensor
-
-
 class Conv2dFunction(torch.autograd.Function):
     """y (N, OH, OW, OC) of x (N, H, W, C) with autograd: `conv2d::forward`, and
     `conv2d::backward` for the gradients of x and of the four parameters. `batch_stats`:
@@ -171,8 +163,8 @@ class Conv2dFunction(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor],
                 beta: Optional[Tensor], running_mean: Optional[Tensor], running_var: Optional[Tensor],
                 training: bool, batch_stats: bool, key: str) -> Tensor:
-        op = forward if _eager(x) else torch.ops.conv2d.forward
-        y, pre, mean, inv_std = op(x, weight, bias, gamma, beta, running_mean, running_var, training, key)
+        y, pre, mean, inv_std = torch.ops.conv2d.forward(x, weight, bias, gamma, beta, running_mean, running_var,
+                                                         training, key)
         ctx.save_for_backward(x, weight, bias, gamma, beta, pre, mean, inv_std)
         ctx.batch_stats, ctx.key = batch_stats, key
         return y
@@ -183,9 +175,9 @@ class Conv2dFunction(torch.autograd.Function):
         want_input = ctx.needs_input_grad[0]
         want_params = any(ctx.needs_input_grad[1:5])
         # Autograd may hand d_y in another layout; the backends read C-contiguous (NHWC).
-        op = backward if _eager(d_y) else torch.ops.conv2d.backward
-        d_x, d_w, d_b, d_g, d_be = op(x, weight, bias, gamma, beta, pre, mean, inv_std, d_y.contiguous(),
-                                      ctx.batch_stats, want_input, want_params, ctx.key)
+        d_x, d_w, d_b, d_g, d_be = torch.ops.conv2d.backward(x, weight, bias, gamma, beta, pre, mean, inv_std,
+                                                             d_y.contiguous(), ctx.batch_stats, want_input,
+                                                             want_params, ctx.key)
         return (d_x if want_input else None, d_w if want_params else None,
                 d_b if want_params and bias is not None else None,
                 d_g if want_params and gamma is not None else None,
