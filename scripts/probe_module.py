@@ -75,13 +75,10 @@ def main() -> None:
     saved = fn.saved(nhwc, saved_out["pre"], saved_out["mean"], saved_out["inv_std"], True)
     row("Functions.saved", lambda: fn.saved(nhwc, saved_out["pre"], saved_out["mean"], saved_out["inv_std"], True))
     row("Functions.backward (params and input)", lambda: fn.backward(params, saved, d_y, True, True))
-    from conv2d.torch import ops
-
     with torch.no_grad():
-        for name, op in (("torch.ops.conv2d.forward", torch.ops.conv2d.forward), ("ops.forward (called directly)",
-                                                                                  ops.forward)):
-            row(f"{name}, no_grad", lambda: op(nhwc, w, params.get("bias"), params.get("gamma"), params.get("beta"),
-                                               None, None, True, op_key))
+        row("torch.ops.conv2d.forward, no_grad",
+            lambda: torch.ops.conv2d.forward(nhwc, w, params.get("bias"), params.get("gamma"), params.get("beta"),
+                                             None, None, True, op_key))
         row("module forward, no_grad", lambda: model(x))
     row("module forward, grad", lambda: model(x))
 

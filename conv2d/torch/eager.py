@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from conv2d.torch.ops import saved_outputs
+from conv2d.torch.ops import _detached as detached, _params as param_dict, saved_outputs
 
 
 class Call(NamedTuple):
@@ -45,12 +45,22 @@ class Call(NamedTuple):
     nchw: bool
 
 
+def parameter_dicts(weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor],
+                    running_mean: Optional[Tensor], running_var: Optional[Tensor]) -> tuple[dict, Optional[dict]]:
+    """(params, running) for the backend's functions: detached views of the tensors, the
+    weight (OC, IC, KH, KW) in channels_last memory as (OC, KH, KW, IC); running is None
+    without batch norm's statistics."""
+    params = param_dict(weight.detach().permute(0, 2, 3, 1), *detached(bias, gamma, beta))
+    running = None if running_mean is None else {"running_mean": running_mean.detach(),
+                                                 "running_var": running_var.detach()}
+    return params, running
+
+
 class ParameterViews:
-    """The backend's parameter and running-statistic dicts of a module, over detached
-    views of its tensors (the weight as (OC, KH, KW, IC)), made again only when one of
-    the tensors is replaced (another object, or another address: `module.to`,
-    `param.data = ...`). The same dict objects call after call let the backend check and
-    view them once (`Functions._arrays`); detached, they hold no autograd history."""
+    """A module's `parameter_dicts`, made again only when one of the tensors is replaced
+    (another object, or another address: `module.to`, `param.data = ...`). The same dict
+    objects call after call let the backend check and view them once
+    (`Functions._arrays`); detached, they hold no autograd history."""
 
     def __init__(self) -> None:
         self._tensors: tuple = ()
@@ -62,14 +72,7 @@ class ParameterViews:
         tensors = (weight, bias, gamma, beta, running_mean, running_var)
         ptrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
         if ptrs != self._ptrs or not all(a is b for a, b in zip(tensors, self._tensors)):
-            params = {"weights": weight.detach().permute(0, 2, 3, 1)}
-            if bias is not None:
-                params["bias"] = bias.detach()
-            if gamma is not None:
-                params["gamma"], params["beta"] = gamma.detach(), beta.detach()
-            running = None if running_mean is None else {"running_mean": running_mean.detach(),
-                                                         "running_var": running_var.detach()}
-            self._tensors, self._ptrs, self._dicts = tensors, ptrs, (params, running)
+            self._tensors, self._ptrs, self._dicts = tensors, ptrs, parameter_dicts(*tensors)
         return self._dicts
 
 

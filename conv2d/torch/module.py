@@ -194,9 +194,9 @@ class Conv2dNormActivation(nn.Module):
                 params, running = self._views.get(weight, bias, gamma, beta, running_mean, running_var)
             else:
                 # A weight in another memory format: its channels_last copy (one
-                # differentiable copy a call), read through dicts of this call alone.
+                # differentiable copy a call), viewed for this call alone (not cached).
                 weight = weight.contiguous(memory_format=torch.channels_last)
-                params, running = eager.ParameterViews().get(weight, bias, gamma, beta, running_mean, running_var)
+                params, running = eager.parameter_dicts(weight, bias, gamma, beta, running_mean, running_var)
             y = eager.EagerConv2d.apply(x, weight, bias, gamma, beta, running_mean, running_var,
                                         eager.Call(fn, params, running, self.training, nchw))
         else:
