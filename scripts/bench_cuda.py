@@ -172,27 +172,29 @@ def ours(spec, x_host, dy_host, iters: int, eager: bool = True, autotune: bool =
     return out
 
 
-def our_module(spec):
+def our_module(spec, cuda_graphs: bool = True):
     """conv2d.torch.Conv2dNormActivation of `spec` (ReLU) on the GPU in the spec's dtype, training."""
     from conv2d.torch import Conv2dNormActivation
 
     return Conv2dNormActivation(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding,
                                 norm=spec.normalization.value, activation="relu", eps=spec.bn_epsilon,
-                                momentum=spec.bn_momentum, device="cuda").to(torch_dtype(spec)).train()
+                                momentum=spec.bn_momentum, device="cuda",
+                                cuda_graphs=cuda_graphs).to(torch_dtype(spec)).train()
 
 
 def pytorch(spec, x_host, dy_host, iters: int, eager: bool = True, benchmark: bool = False,
-            module: bool = False, tf32: bool = False) -> dict:
+            module: bool | str = False, tf32: bool = False) -> dict:
     """PyTorch's Sequential step; with `module`, the same step of our
-    conv2d.torch.Conv2dNormActivation in its place; with `tf32`, PyTorch's float32 default
-    (TF32 convolutions, nondeterministic algorithms allowed)."""
+    conv2d.torch.Conv2dNormActivation in its place (module="launched": its eager calls
+    always launch, no CUDA graph replays); with `tf32`, PyTorch's float32 default (TF32
+    convolutions, nondeterministic algorithms allowed)."""
     import torch
 
     torch.backends.cudnn.benchmark = benchmark
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cudnn.deterministic = not tf32
     if module:
-        model = our_module(spec)
+        model = our_module(spec, cuda_graphs=module != "launched")
     else:
         model = torch_sequential(spec).train()
     x = torch_nchw(x_host, spec).requires_grad_(True)
@@ -205,6 +207,8 @@ def pytorch(spec, x_host, dy_host, iters: int, eager: bool = True, benchmark: bo
     out = {}
     if eager:
         out["eager"] = torch_timed(step, iters)
+        if module:
+            out["counts"] = model.graph_counts()  # how its eager calls went: replays, captures, launches
     out["graph"] = torch_timed(torch_graph(step).replay, iters)
     return out
 
@@ -333,8 +337,11 @@ def main() -> None:
     second_lines = []
     module_head = ["", "## The PyTorch module (conv2d.torch.Conv2dNormActivation) in a PyTorch step, beside "
                    "PyTorch's Sequential (channels_last; heuristic plans)", "",
-                   "| shape | norm | dtype | module eager wall | torch eager wall | ratio | module graph GPU "
-                   "| torch graph GPU | ratio |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                   "(module eager: its calls replayed as CUDA graphs where the addresses repeat, the default; "
+                   "launched: cuda_graphs=False)", "",
+                   "| shape | norm | dtype | module eager wall | torch eager wall | ratio | module launched wall "
+                   "| ratio | module graph GPU | torch graph GPU | ratio |",
+                   "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     module_lines = []
     print("\n".join(lines), flush=True)
     nan = (float("nan"), float("nan"))
@@ -355,11 +362,13 @@ def main() -> None:
         second_lines.append(second)
         if not args.no_module:
             m = pytorch(spec, x, dy, args.iters, module=True)
+            launched = pytorch(spec, x, dy, args.iters, module="launched")
             module_line = (f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} | {m['eager'][1]:.3f} "
-                           f"| {t['eager'][1]:.3f} | {m['eager'][1] / t['eager'][1]:.2f} | {m['graph'][0]:.3f} "
-                           f"| {t['graph'][0]:.3f} | {m['graph'][0] / t['graph'][0]:.2f} |")
+                           f"| {t['eager'][1]:.3f} | {m['eager'][1] / t['eager'][1]:.2f} "
+                           f"| {launched['eager'][1]:.3f} | {launched['eager'][1] / t['eager'][1]:.2f} "
+                           f"| {m['graph'][0]:.3f} | {t['graph'][0]:.3f} | {m['graph'][0] / t['graph'][0]:.2f} |")
             module_lines.append(module_line)
-            print(module_line, flush=True)
+            print(module_line, f"(eager calls: {m['counts']})", flush=True)
         o["tuned_eager"], o["tuned_graph"] = o_tuned["eager"], o_tuned["graph"]
         t["tuned_eager"], t["tuned_graph"] = t_tuned["eager"], t_tuned["graph"]
         roof = roofline_ms(spec)

@@ -908,6 +908,109 @@ def test_the_module_captures_after_eager_steps_on_the_default_stream():
     assert torch.isfinite(x.grad).all()
 
 
+# The module's eager calls replayed as CUDA graphs (conv2d.torch.graphs) ------------------------
+def _graphed_and_launched(torch, norm, dtype, channels=5, **kw):
+    from conv2d.torch import Conv2dNormActivation
+
+    torch.manual_seed(0)
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    graphed = Conv2dNormActivation(channels, 6 if channels == 5 else channels, 3, padding=1, norm=norm,
+                                   activation="gelu", device="cuda", **kw).to(tdt)
+    launched = copy.deepcopy(graphed)
+    launched.cuda_graphs = False
+    return graphed, launched, tdt
+
+
+def _training_steps(torch, model, x, d_y, steps, twice=False):
+    """Eager SGD steps (the parameters change in place between them), a fresh input copy
+    each step: what each step gave, cloned."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for _ in range(steps):
+        xr = x.clone().requires_grad_(True)
+        y = model(model(xr)) if twice else model(xr)
+        y.backward(d_y)
+        out.append([t.detach().clone() for t in (y, xr.grad, *(p.grad for p in model.parameters()),
+                                                  *model.buffers())])
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_eager_steps_replayed_as_cuda_graphs_give_the_launched_steps_bits(norm, dtype):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    graphed, launched, tdt = _graphed_and_launched(torch, norm, dtype)
+    x = torch.randn(4, 5, 12, 10, device="cuda").to(tdt, memory_format=torch.channels_last)
+    d_y = torch.randn(4, 6, 12, 10, device="cuda").to(tdt, memory_format=torch.channels_last)
+    got = _training_steps(torch, graphed, x, d_y, 6)
+    want = _training_steps(torch, launched, x, d_y, 6)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert all(torch.equal(u, v) for u, v in zip(a, b)), f"step {step}"
+    counts = graphed.graph_counts()
+    assert counts["replayed"] > 0 and counts["failed"] == 0, counts
+    assert launched.graph_counts()["replayed"] == 0
+
+
+def test_a_module_called_twice_before_its_backward_replays_each_call_with_its_own_saved_values():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    graphed, launched, tdt = _graphed_and_launched(torch, "batch_norm", "float32", channels=6)
+    x = torch.randn(4, 6, 12, 10, device="cuda").to(memory_format=torch.channels_last)
+    d_y = torch.randn(4, 6, 12, 10, device="cuda").to(memory_format=torch.channels_last)
+    got = _training_steps(torch, graphed, x, d_y, 6, twice=True)
+    want = _training_steps(torch, launched, x, d_y, 6, twice=True)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert all(torch.equal(u, v) for u, v in zip(a, b)), f"step {step}"
+    assert graphed.graph_counts()["replayed"] > 0
+
+
+def test_acting_without_gradients_replays_the_evaluation_graph():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    graphed, launched, tdt = _graphed_and_launched(torch, "batch_norm", "bfloat16")
+    x = torch.randn(1, 5, 12, 10, device="cuda").to(tdt, memory_format=torch.channels_last)
+    with torch.no_grad():
+        for model in (graphed, launched):
+            model.eval()
+        for step in range(5):
+            obs = x + step  # a new observation each step
+            assert torch.equal(graphed(obs), launched(obs)), step
+    assert graphed.graph_counts()["replayed"] >= 2
+
+
+def test_graphs_hold_the_plans_they_were_captured_with_when_the_backend_drops_them():
+    """max_shapes=1: every call of the other input size drops the plan a graph was captured
+    on; the graph keeps that plan's scratch and workspace, and every step keeps the bits."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    graphed, launched, tdt = _graphed_and_launched(torch, "batch_norm", "float32", max_shapes=1)
+    for size in (12, 8, 12, 8, 12, 8):
+        x = torch.randn(2, 5, size, size, device="cuda").to(memory_format=torch.channels_last)
+        d_y = torch.randn(2, 6, size, size, device="cuda").to(memory_format=torch.channels_last)
+        got = _training_steps(torch, graphed, x, d_y, 3)
+        want = _training_steps(torch, launched, x, d_y, 3)
+        for a, b in zip(got, want):
+            assert all(torch.equal(u, v) for u, v in zip(a, b)), size
+    assert graphed.graph_counts()["replayed"] > 0
+
+
+def test_a_capture_of_the_callers_step_records_launches_not_the_modules_graphs():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    graphed, _, _ = _graphed_and_launched(torch, "batch_norm", "float32")
+    x = torch.randn(4, 5, 12, 10, device="cuda").to(memory_format=torch.channels_last)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: captures and replays the module's own graphs
+            graphed(x).sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    before = graphed.graph_counts()
+    assert before["replayed"] > 0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed(x).sum().backward()
+    assert graphed.graph_counts() == before
+
+
 def test_torch_compile_of_the_module_on_the_gpu_matches_eager():
     torch = pytest.importorskip("torch", reason="torch is not installed")
     ours, _, _ = _module_pair(torch, "layer_norm", "float32")

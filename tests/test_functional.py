@@ -417,6 +417,78 @@ def test_a_backward_from_saved_values_the_caller_kept_equals_the_usual_one(backe
         np.testing.assert_array_equal(as_numpy(grads[k]), as_numpy(grads2[k]), err_msg=k)
 
 
+def _cuda_call(norm):
+    """(functions, params, running, x, d_y, numba) of the CUDA backend (cuDNN on a GPU, else
+    numba's simulator), inputs on the device, batch 3."""
+    spec = spec_for(norm, "cuda")
+    layer = layer_on("cuda", spec)
+    from conv2d.cuda.runtime import numba_cuda
+
+    cuda = numba_cuda()
+    x, dy = inputs_at(spec, 3)
+    fn = layer.functions
+    running = None if norm != "batch_norm" else fn.from_host(
+        {"running_mean": np.zeros(spec.out_channels, np.float32), "running_var": np.ones(spec.out_channels, np.float32)})
+    return fn, layer.parameters(), running, cuda.to_device(x), cuda.to_device(dy), cuda
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_outputs_written_into_the_callers_arrays_equal_new_ones_bitwise(norm):
+    """y_out, grads_out and d_x_out: a call that allocates nothing (what conv2d.torch.graphs
+    captures) gives the bits of the usual call, in the given arrays."""
+    fn, params, running, x, dy, cuda = _cuda_call(norm)
+    st = storage_dtype(fn.spec.dtype)
+    call = fn.spec.at(3)
+    want_y, saved = fn.forward(params, x, True, running)
+    want_grads, want_dx = fn.backward(params, saved, dy)
+    from conv2d.cuda.runtime import device_dtype
+
+    dev = device_dtype(fn.spec.dtype)
+    y_out = cuda.device_array(call.output_shape, dev)
+    d_x_out = cuda.device_array(call.input_shape, dev)
+    grads_out = {k: cuda.device_array(g.shape, g.dtype) for k, g in want_grads.items()}
+    y, saved = fn.forward(params, x, True, running, y_out=y_out)
+    grads, d_x = fn.backward(params, saved, dy, grads_out=grads_out, d_x_out=d_x_out)
+    assert y is y_out and d_x is d_x_out and grads is grads_out
+    np.testing.assert_array_equal(as_numpy(y, st), as_numpy(want_y, st))
+    np.testing.assert_array_equal(as_numpy(d_x, st), as_numpy(want_dx, st))
+    for k in want_grads:
+        np.testing.assert_array_equal(as_numpy(grads[k]), as_numpy(want_grads[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("y_out of another shape", ValueError, r"^y_out: expected shape \(3, 5, 4, 3\)"),
+    ("y_out on the host", TypeError, "^y_out: expected a device array"),
+    ("grads_out with accumulate", ValueError, "^grads_out: given with accumulate"),
+    ("grads_out without want_params", ValueError, "^grads_out: given with accumulate or without want_params"),
+    ("grads_out missing a key", ValueError, r"^grads_out: expected keys \['weights', 'bias', 'gamma', 'beta'\]"),
+    ("d_x_out without want_input", ValueError, "^d_x_out: given with want_input=False"),
+])
+def test_output_arrays_that_do_not_fit_are_refused_before_any_work(case, error, match):
+    fn, params, running, x, dy, cuda = _cuda_call("batch_norm")
+    before = {k: v.copy_to_host() for k, v in running.items()}
+    _, saved = fn.forward(params, x, True)
+    from conv2d.cuda.runtime import device_dtype
+
+    dev = device_dtype(fn.spec.dtype)
+    grads = {k: cuda.device_array(a.shape, a.dtype) for k, a in params.items()}
+    with pytest.raises(error, match=match):
+        if case == "y_out of another shape":
+            fn.forward(params, x, True, running, y_out=cuda.device_array((3, 5, 4, 2), dev))
+        elif case == "y_out on the host":
+            fn.forward(params, x, True, running, y_out=np.zeros((3, 5, 4, 3), dev))
+        elif case == "grads_out with accumulate":
+            fn.backward(params, saved, dy, grads_out=grads, accumulate=grads)
+        elif case == "grads_out without want_params":
+            fn.backward(params, saved, dy, want_params=False, grads_out=grads)
+        elif case == "grads_out missing a key":
+            fn.backward(params, saved, dy, grads_out={"weights": grads["weights"]})
+        else:
+            fn.backward(params, saved, dy, want_input=False, d_x_out=cuda.device_array((3, 5, 4, 2), dev))
+    for k, v in running.items():  # a refused forward did not update the running statistics
+        np.testing.assert_array_equal(v.copy_to_host(), before[k], err_msg=k)
+
+
 def test_the_bias_gradient_sums_d_z_as_stored_in_the_storage_dtype():
     """The reference sums d_z rounded to the storage dtype for the bias gradient, as the GPU
     sums the d_z it stores for cuDNN; the sum of the unrounded d_z differs in some

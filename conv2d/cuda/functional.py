@@ -87,6 +87,13 @@ class Saved:
         if self._buffers is not None:
             self._plan.free_saved.append(self._buffers)
 
+    @property
+    def resources(self) -> Any:
+        """What the call's kernels used besides the caller's arrays: its shape's plan
+        (reduction scratch, cuDNN workspace, prepared launches' counters). Whoever keeps a
+        captured CUDA graph of the call keeps this too, so that they stay allocated."""
+        return self._plan
+
 
 class _Plan:
     """One input shape of a layer: the spec at that shape, its cuDNN convolutions, the
@@ -360,6 +367,14 @@ class Functions:
             self._switch(stream)
         return stream
 
+    def follow(self, a: Any) -> None:
+        """Make the stream that a call on the array `a` would run on (torch's current one
+        for a torch tensor) this layer's current stream, ordered after the calls before it,
+        as such a call does first; for a caller that replays a captured graph of these
+        functions' calls on that stream (conv2d.torch.graphs)."""
+        with self._lock:
+            self._enter(library(a), a)
+
     def _switch(self, stream: Any) -> None:
         # The new stream waits for what the old one was given (the scratch and free
         # buffers are shared), then the handle and launches move to it.
@@ -394,6 +409,15 @@ class Functions:
 
             return arr, cupy.asarray(arr)
         return arr, arr
+
+    def _given(self, name: str, a: Any, lib: str, shape: tuple[int, ...]) -> Any:
+        """The checked device view of an output array the caller gives (`y_out`, `d_x_out`), or None."""
+        if a is None:
+            return None
+        if lib == NUMPY or isinstance(a, np.ndarray):
+            raise TypeError(f"{name}: expected a device array beside device inputs (a NumPy call's results are "
+                            f"host copies), got {describe(a)} with {lib} inputs")
+        return device_view(self.cuda, name, a, self.spec.dtype, shape)
 
     def _result(self, out: Any, lib: str, stream: Any) -> Any:
         """NumPy callers get a host copy (after the stream finishes); others `out`."""
@@ -534,11 +558,14 @@ class Functions:
                          recycle=False)
 
     def forward(self, params: Mapping[str, Any], x: Any, training: bool, running: Mapping[str, Any] | None = None,
-                saved_out: Mapping[str, Any] | None = None) -> tuple[Any, Saved]:
+                saved_out: Mapping[str, Any] | None = None, y_out: Any = None) -> tuple[Any, Saved]:
         """(y (N, OH, OW, OC), saved) for input x (N, H, W, C). Batch norm in training
         normalises with the batch's statistics and updates `running` in place (if given);
         otherwise it uses `running`. `saved_out`: device arrays "pre", "mean", "inv_std"
-        (see `saved`) to hold the saved values, instead of the layer's own buffers."""
+        (see `saved`) to hold the saved values, instead of the layer's own buffers.
+        `y_out`: a device array (N, OH, OW, OC), C-contiguous, to write y into (and return)
+        instead of a new one: with `saved_out`, a call that allocates nothing, which a
+        caller can capture in a CUDA graph and replay (conv2d.torch.graphs)."""
         if not isinstance(training, bool):
             raise TypeError(f"training: expected a bool, got {training!r}")
         with self._lock:
@@ -550,8 +577,9 @@ class Functions:
                 self.spec.running_var_scale(plan.M)  # raises before any work where the rule cannot apply
             outside = None if saved_out is None else self._saved_arrays(plan, saved_out["pre"], saved_out.get("mean"),
                                                                         saved_out.get("inv_std"))
+            given = self._given("y_out", y_out, lib, call.output_shape)
             stream = self._enter(lib, x)
-            y_dev, y = self._output(plan, "y", call.output_shape, lib, x)
+            y_dev, y = (given, y_out) if y_out is not None else self._output(plan, "y", call.output_shape, lib, x)
             if outside is not None:
                 from_batch = self._run(plan, p, r, x_dev, y_dev, outside, training, keep=("keep", "caller"))
                 return self._result(y, lib, stream), Saved(self, plan, x_dev, outside, from_batch, None, recycle=False)
@@ -615,6 +643,24 @@ class Functions:
             raise RuntimeError("saved: a later forward of this frozen layer overwrote this forward's saved values "
                                "(a frozen layer keeps one forward's, in fixed buffers); call forward again")
 
+    def _grads_out(self, grads_out: Mapping[str, Any]) -> dict[str, Any]:
+        """Checked flat views of the caller's arrays to write the gradients into (not
+        cached by identity, unlike `_arrays`: new arrays come every call, and a cache would
+        keep them alive)."""
+        names = self._param_names
+        if not isinstance(grads_out, Mapping) or set(grads_out) != set(names):
+            got = sorted(grads_out) if isinstance(grads_out, Mapping) else grads_out
+            raise ValueError(f"grads_out: expected keys {names}, got {got!r}")
+        layout = self._grad_layout
+        views = {}
+        for k in names:
+            a, (shape, dt) = grads_out[k], layout[k]
+            if isinstance(a, np.ndarray) or not hasattr(a, "shape"):
+                raise TypeError(f"grads_out[{k!r}]: expected a device array, got {describe(a)}")
+            views[k] = device_view(self.cuda, f"grads_out[{k!r}]", a, self.spec.dtype if dt == self.st else
+                                   DType.FLOAT32, shape, flat=True)
+        return views
+
     def _gradients(self, accumulate: Mapping[str, Any] | None, lib: str, like: Any) -> tuple[dict, Any]:
         """(flat device gradient arrays the kernels write or add into, what the caller
         gets). Fresh gradients are not zeroed: cuDNN's backward-filter writes the weights'
@@ -673,13 +719,17 @@ class Functions:
                    batch_stats=batch_stats, count=count, acc0=g.get("bias", d), accumulate=bias_acc)
 
     def backward(self, params: Mapping[str, Any], saved: Saved, d_y: Any, want_params: bool = True,
-                 want_input: bool = True, accumulate: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
+                 want_input: bool = True, accumulate: Mapping[str, Any] | None = None,
+                 grads_out: Mapping[str, Any] | None = None, d_x_out: Any = None) -> tuple[Any, Any]:
         """(grads, d_x) of the forward that gave `saved`, for d_y (N, OH, OW, OC) of its shape.
 
         grads: {"weights", "bias", "gamma", "beta"} as the spec has them, new arrays in the
         library of d_y (device arrays; NumPy copies for a NumPy d_y), or, with `accumulate`
         (device arrays of the same keys), added into those in place and returned; None
-        unless `want_params`. d_x (N, H, W, C), new, or None unless `want_input`."""
+        unless `want_params`. d_x (N, H, W, C), new, or None unless `want_input`.
+        `grads_out` (device arrays of the same keys, gradient layout or flat) and `d_x_out`
+        (a device array (N, H, W, C), C-contiguous): written (not added) and returned
+        instead of new arrays, so that a call allocates nothing (see `forward`'s `y_out`)."""
         with self._lock:
             self._check_saved(saved)
             plan, call, norm = saved._plan, saved.spec, self.spec.normalization
@@ -687,11 +737,23 @@ class Functions:
             if self._frozen and lib == NUMPY:
                 raise RuntimeError("d_y: the layer is frozen; pass a device array (a NumPy array would be "
                                    "copied into newly allocated device memory)")
+            if grads_out is not None and (accumulate is not None or not want_params):
+                raise ValueError("grads_out: given with accumulate or without want_params; the gradients are "
+                                 "either written into grads_out, or added into accumulate")
+            if d_x_out is not None and not want_input:
+                raise ValueError("d_x_out: given with want_input=False")
             d_y_dev = device_input(self.cuda, "d_y", d_y, call.output_shape, self.spec.dtype, self.stream,
                                    self._allocator.array)
             p = self._params(params)
+            given_g = None if grads_out is None else self._grads_out(grads_out)
+            if given_g is not None and lib == NUMPY:
+                raise TypeError("grads_out: given beside a NumPy d_y (a NumPy call's results are host copies)")
+            given_d_x = self._given("d_x_out", d_x_out, lib, call.input_shape)
             stream = self._enter(lib, d_y)
-            g, grads = self._gradients(accumulate, lib, d_y) if want_params else ({}, None)
+            if given_g is not None:
+                g, grads = given_g, grads_out
+            else:
+                g, grads = self._gradients(accumulate, lib, d_y) if want_params else ({}, None)
             d = self._dummy
             mean, inv_std = (saved.mean, saved.inv_std) if norm is not Normalization.NONE else (d, d)
             # Parameter gradients: added into the caller's `accumulate`, or written fresh.
@@ -705,7 +767,8 @@ class Functions:
                 self._grad_pre_activations(plan, p, saved, d_y_dev, mean, inv_std, g, acc)
             d_x = None
             if want_input:
-                d_x_dev, d_x = self._output(plan, "d_x", call.input_shape, lib, d_y)
+                d_x_dev, d_x = ((given_d_x, d_x_out) if d_x_out is not None
+                                else self._output(plan, "d_x", call.input_shape, lib, d_y))
                 plan.conv.backward_data(plan.d_z, p["weights"], d_x_dev)
             if want_params:
                 if accumulate is None:

@@ -29,20 +29,26 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from conv2d.torch.graphs import CallGraphs
 from conv2d.torch.ops import _detached as detached, _params as param_dict, saved_outputs
 
 
 class Call(NamedTuple):
     """What one module call passes through autograd besides the tensors: the backend's
     functions, the cached views of the parameters and running statistics (dicts, the same
-    objects while the tensors are), training, and whether x is NCHW-shaped (channels_last
-    memory) rather than NHWC."""
+    objects while the tensors are), training, whether x is NCHW-shaped (channels_last
+    memory) rather than NHWC, whether the norm uses the batch's statistics, and for CUDA
+    graph replays the functions' `CallGraphs` (None: always launch) with the addresses of
+    the parameters and running statistics (part of every call's key)."""
 
     fn: Any
     params: dict
     running: Optional[dict]
     training: bool
     nchw: bool
+    batch_stats: bool = False
+    graphs: Optional[CallGraphs] = None
+    ptrs: tuple = ()
 
 
 def parameter_dicts(weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor],
@@ -68,12 +74,13 @@ class ParameterViews:
         self._dicts: tuple[dict, Optional[dict]] = ({}, None)
 
     def get(self, weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor],
-            running_mean: Optional[Tensor], running_var: Optional[Tensor]) -> tuple[dict, Optional[dict]]:
+            running_mean: Optional[Tensor], running_var: Optional[Tensor]) -> tuple[dict, Optional[dict], tuple]:
+        """(params, running, the tensors' addresses)."""
         tensors = (weight, bias, gamma, beta, running_mean, running_var)
         ptrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
         if ptrs != self._ptrs or not all(a is b for a, b in zip(tensors, self._tensors)):
             self._tensors, self._ptrs, self._dicts = tensors, ptrs, parameter_dicts(*tensors)
-        return self._dicts
+        return (*self._dicts, ptrs)
 
 
 def _nhwc(t: Tensor, nchw: bool) -> Tensor:
@@ -91,19 +98,28 @@ class EagerConv2d(torch.autograd.Function):
                 call: Call) -> Tensor:
         # running_mean and running_var come in as arguments so that autograd sees them
         # (nothing differentiates them); the backend reads and updates them through call.
-        fn = call.fn
+        fn, graphs = call.fn, call.graphs
         x_nhwc = _nhwc(x, call.nchw)
-        if x.is_cuda:
-            # The saved values in tensors from torch's allocator (not the backend's own
-            # recycled buffers): captured in torch.cuda.graph, they land in the graph's pool.
-            y, saved = fn.forward(call.params, x_nhwc, call.training, call.running,
-                                  saved_out=saved_outputs(fn, x_nhwc))
-        else:
-            y, saved = fn.forward(call.params, x_nhwc, call.training, call.running)
-        ctx.saved, ctx.call = saved, call
+        ctx.call, ctx.kept = call, None
         ctx.save_for_backward(x, weight, gamma, beta)
-        # The CUDA functions keep y (a prepared launch's argument), and autograd sets its
-        # grad_fn on the tensor it is given: hand out an alias that they do not hold.
+        if not x.is_cuda:
+            y, ctx.saved = fn.forward(call.params, x_nhwc, call.training, call.running)
+            return y.detach()
+        # The saved values in tensors from torch's allocator (not the backend's own
+        # recycled buffers): captured in torch.cuda.graph, they land in the graph's pool.
+        out = saved_outputs(fn, x_nhwc)
+        if graphs is None:
+            y, ctx.saved = fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out)
+            # The CUDA functions keep y (a prepared launch's argument), and autograd sets
+            # its grad_fn on the tensor it is given: hand out an alias that they do not hold.
+            return y.detach()
+        pre, mean, inv_std = out["pre"], out["mean"], out["inv_std"]
+        y = torch.empty(pre.shape, dtype=x.dtype, device=x.device)
+        key = (True, call.training, x_nhwc.shape, x.data_ptr(), y.data_ptr(), pre.data_ptr(), mean.data_ptr(),
+               inv_std.data_ptr(), call.ptrs)
+        graphs.run(key, lambda: fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out,
+                                           y_out=y)[1].resources, x)
+        ctx.saved, ctx.kept = None, (x_nhwc, pre, mean, inv_std)
         return y.detach()
 
     @staticmethod
@@ -115,10 +131,34 @@ class EagerConv2d(torch.autograd.Function):
         # Autograd may hand d_y in another layout; the backends read C-contiguous (NHWC).
         if not d_y.is_contiguous():
             d_y = d_y.contiguous()
-        grads, d_x = call.fn.backward(call.params, ctx.saved, d_y.detach(), want_params, want_input)
+        d_y = d_y.detach()
+        if ctx.saved is not None:
+            grads, d_x = call.fn.backward(call.params, ctx.saved, d_y, want_params, want_input)
+        else:
+            grads, d_x = _graph_backward(call, ctx.kept, d_y, want_params, want_input)
         if d_x is not None and call.nchw:
             d_x = d_x.permute(0, 3, 1, 2)  # (N, C, H, W) in channels_last memory, as x
         if not grads:  # parameters not wanted
             return d_x, None, None, None, None, None, None, None
         return (d_x, grads["weights"].permute(0, 3, 1, 2), grads.get("bias"), grads.get("gamma"), grads.get("beta"),
                 None, None, None)
+
+
+def _graph_backward(call: Call, kept: tuple, d_y: Tensor, want_params: bool, want_input: bool) -> tuple:
+    """The backend's backward of a forward that went through `call.graphs` (its saved
+    values are tensors in `kept`: x (N, H, W, C), pre, mean, inv_std), into gradients
+    allocated here, as one graph replay when every address repeats."""
+    fn, graphs = call.fn, call.graphs
+    x, pre, mean, inv_std = kept
+    d_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if want_input else None
+    grads = graphs.new_gradients(x) if want_params else None
+    key = (False, call.batch_stats, x.shape, x.data_ptr(), pre.data_ptr(), mean.data_ptr(), inv_std.data_ptr(),
+           d_y.data_ptr(), 0 if d_x is None else d_x.data_ptr(),
+           () if grads is None else tuple(g.data_ptr() for g in grads.values()), call.ptrs)
+
+    def run() -> Any:
+        saved = fn.saved(x, pre, mean, inv_std, call.batch_stats)
+        fn.backward(call.params, saved, d_y, want_params, want_input, grads_out=grads, d_x_out=d_x)
+        return saved.resources
+    graphs.run(key, run, d_y)
+    return grads, d_x

@@ -87,18 +87,25 @@ class Conv2dNormActivation(nn.Module):
     `layout`: "NCHW" (the default, as above) or "NHWC": x is (N, H, W, C), as this
     library's arrays and JAX's convolutions, read in place when contiguous (else copied
     once), and y is (N, OH, OW, OC), contiguous; the parameters and state_dict are the
-    same in both. `backend_options` go to the CUDA backend (e.g. `allow_tf32`).
+    same in both. `cuda_graphs`: in eager mode on a GPU, replay a CUDA graph of a call
+    whose every address (x, parameters, outputs) and flag repeat an earlier call's, in
+    place of the launches (conv2d.torch.graphs: bitwise the same results, a fraction of
+    the host time; training loops repeat their addresses); False always launches.
+    `backend_options` go to the CUDA backend (e.g. `allow_tf32`).
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int] = 3,
                  stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] = 0, bias: bool = True,
                  norm: str = "batch_norm", activation: str = "relu", eps: float = 1e-5, momentum: float = 0.1,
                  running_var: str = "unbiased", device: Any = None, dtype: Any = None, layout: str = "NCHW",
-                 **backend_options: Any) -> None:
+                 cuda_graphs: bool = True, **backend_options: Any) -> None:
         super().__init__()
         if layout not in ("NCHW", "NHWC"):
             raise ValueError(f"layout: expected 'NCHW' or 'NHWC', got {layout!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs: expected a bool, got {cuda_graphs!r}")
         self.layout = layout
+        self.cuda_graphs = cuda_graphs
         # A spec validates every argument now; its input size is a placeholder (every
         # call takes any N, H, W: the kernel's own size fits) and its dtype follows the
         # tensors at each call.
@@ -146,8 +153,19 @@ class Conv2dNormActivation(nn.Module):
     def _spec_for(self, dtype: DType) -> LayerSpec:
         return dataclasses.replace(self._spec, dtype=dtype)
 
-    def _functions_for(self, x: torch.Tensor) -> tuple[Any, str]:
-        """(the backend's functions, their ops key) for x's device and dtype (made once)."""
+    def graph_counts(self) -> dict[str, int]:
+        """How the module's eager CUDA calls went so far, summed over its devices and
+        dtypes: "eager" (launched), "captured", "replayed", "failed" (captures that failed;
+        those calls launch)."""
+        total = {"eager": 0, "captured": 0, "replayed": 0, "failed": 0}
+        for _, _, graphs in self._functions.values():
+            for k, v in (graphs.counts.items() if graphs is not None else ()):
+                total[k] += v
+        return total
+
+    def _functions_for(self, x: torch.Tensor) -> tuple[Any, str, Any]:
+        """(the backend's functions, their ops key, their CallGraphs or None) for x's
+        device and dtype (made once)."""
         key = (x.device, x.dtype)
         found = self._functions.get(key)
         if found is not None:
@@ -162,7 +180,10 @@ class Conv2dNormActivation(nn.Module):
         else:
             fn = make_functions(backend, spec)
         op_key = f"{id(self)}:{backend}:{x.dtype}:{x.device}"
-        found = self._functions[key] = (fn, op_key)
+        # A backend given a stream of its own runs there, not on torch's current stream
+        # where a graph would replay.
+        graphs = eager.CallGraphs(fn, x.device) if backend == "cuda" and not fn.stream_given else None
+        found = self._functions[key] = (fn, op_key, graphs)
         ops.register(op_key, fn)
         return found
 
@@ -174,7 +195,7 @@ class Conv2dNormActivation(nn.Module):
         if x.dtype != weight.dtype or x.device != weight.device:
             raise TypeError(f"x: expected a {weight.dtype} tensor on {weight.device} (the module's), got "
                             f"{x.dtype} on {x.device}")
-        fn, key = self._functions_for(x)
+        fn, key, graphs = self._functions_for(x)
         nchw = self.layout == "NCHW"
         if nchw:
             if not x.permute(0, 2, 3, 1).is_contiguous():
@@ -191,14 +212,19 @@ class Conv2dNormActivation(nn.Module):
                     norm.num_batches_tracked.add_(1)
         if type(x) is torch.Tensor and type(weight) in _PLAIN and not torch.compiler.is_compiling():
             if weight.permute(0, 2, 3, 1).is_contiguous():
-                params, running = self._views.get(weight, bias, gamma, beta, running_mean, running_var)
+                params, running, ptrs = self._views.get(weight, bias, gamma, beta, running_mean, running_var)
             else:
                 # A weight in another memory format: its channels_last copy (one
                 # differentiable copy a call), viewed for this call alone (not cached).
                 weight = weight.contiguous(memory_format=torch.channels_last)
                 params, running = eager.parameter_dicts(weight, bias, gamma, beta, running_mean, running_var)
+                graphs = None
+            if graphs is not None and (not self.cuda_graphs or torch.cuda.is_current_stream_capturing()):
+                graphs = None  # in a capture of the caller's, the launches go into it
             y = eager.EagerConv2d.apply(x, weight, bias, gamma, beta, running_mean, running_var,
-                                        eager.Call(fn, params, running, self.training, nchw))
+                                        eager.Call(fn, params, running, self.training, nchw,
+                                                   self._spec.batch_statistics(self.training), graphs,
+                                                   ptrs if graphs is not None else ()))
         else:
             # torch.compile and tensor subclasses: the registered ops, with the permutes in
             # the graph.
