@@ -1011,6 +1011,28 @@ def test_a_capture_of_the_callers_step_records_launches_not_the_modules_graphs()
     assert graphed.graph_counts() == before
 
 
+def test_a_dropped_module_gives_its_backend_back_without_the_garbage_collector():
+    """No reference cycle holds the backend: its device memory goes back when the module
+    does, not at a later collection (which may fall inside a caller's graph capture, where
+    a free invalidates it)."""
+    import weakref
+
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    ours, _, _ = _module_pair(torch, "batch_norm", "float32")
+    x = torch.randn(4, 5, 12, 10, device="cuda").to(memory_format=torch.channels_last)
+    for _ in range(3):  # a launch, a capture, a replay
+        ours(x).sum().backward()
+    assert ours.graph_counts()["captured"] > 0
+    refs = [weakref.ref(entry[0]) for entry in ours._functions.values()]
+    gc.collect()
+    gc.disable()
+    try:
+        del ours
+        assert refs and all(r() is None for r in refs)
+    finally:
+        gc.enable()
+
+
 def test_torch_compile_of_the_module_on_the_gpu_matches_eager():
     torch = pytest.importorskip("torch", reason="torch is not installed")
     ours, _, _ = _module_pair(torch, "layer_norm", "float32")

@@ -489,6 +489,26 @@ def test_output_arrays_that_do_not_fit_are_refused_before_any_work(case, error, 
         np.testing.assert_array_equal(v.copy_to_host(), before[k], err_msg=k)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dropped_layer_gives_its_functions_back_without_the_garbage_collector(backend):
+    import gc
+    import weakref
+
+    spec = spec_for("batch_norm", backend)
+    layer = layer_on(backend, spec)
+    x, dy = inputs_at(spec, 3)
+    layer.forward(x)
+    layer.backward_full(x, dy)
+    ref = weakref.ref(layer.functions)
+    gc.collect()
+    gc.disable()
+    try:
+        del layer
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 def test_the_bias_gradient_sums_d_z_as_stored_in_the_storage_dtype():
     """The reference sums d_z rounded to the storage dtype for the bias gradient, as the GPU
     sums the d_z it stores for cuDNN; the sum of the unrounded d_z differs in some

@@ -201,8 +201,13 @@ class Functions:
             handle = cudnn.create_handle(stream_handle(self.stream))
             self._handle = handle
             device = cuda.get_current_device().id
-            convolutions = lambda s: cudnn.Convolutions(cuda, s, handle, stream_handle(self.stream), device,  # noqa: E731
-                                                        allow_tf32, self.relu_fusion, autotune, fast_paths)
+            # Closes over the stream, not self: no reference cycle, so a dropped layer's
+            # device memory goes back when its last reference does, not when the garbage
+            # collector runs (which may be inside a caller's CUDA graph capture, where
+            # numba's frees would invalidate it).
+            own_stream, relu_fusion = self.stream, self.relu_fusion
+            convolutions = lambda s: cudnn.Convolutions(cuda, s, handle, stream_handle(own_stream), device,  # noqa: E731
+                                                        allow_tf32, relu_fusion, autotune, fast_paths)
         else:
             self._handle = None
         self._convolutions = convolutions
@@ -366,6 +371,11 @@ class Functions:
         if stream is not self._current:
             self._switch(stream)
         return stream
+
+    def deferred_frees(self) -> contextlib.AbstractContextManager:
+        """A context in which numba frees no device memory, events or streams (it queues
+        them): for calls inside a CUDA graph capture, which a free would invalidate."""
+        return self.cuda.defer_cleanup()
 
     def follow(self, a: Any) -> None:
         """Make the stream that a call on the array `a` would run on (torch's current one

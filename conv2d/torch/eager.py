@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from conv2d.torch.graphs import CallGraphs
-from conv2d.torch.ops import _detached as detached, _params as param_dict, saved_outputs
+from conv2d.torch.ops import _detached as detached, _params as param_dict, in_capture, saved_outputs
 
 
 class Call(NamedTuple):
@@ -109,7 +109,8 @@ class EagerConv2d(torch.autograd.Function):
         # recycled buffers): captured in torch.cuda.graph, they land in the graph's pool.
         out = saved_outputs(fn, x_nhwc)
         if graphs is None:
-            y, ctx.saved = fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out)
+            with in_capture(fn, x):
+                y, ctx.saved = fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out)
             # The CUDA functions keep y (a prepared launch's argument), and autograd sets
             # its grad_fn on the tensor it is given: hand out an alias that they do not hold.
             return y.detach()
@@ -132,10 +133,13 @@ class EagerConv2d(torch.autograd.Function):
         if not d_y.is_contiguous():
             d_y = d_y.contiguous()
         d_y = d_y.detach()
-        if ctx.saved is not None:
-            grads, d_x = call.fn.backward(call.params, ctx.saved, d_y, want_params, want_input)
-        else:
+        if ctx.saved is None:
             grads, d_x = _graph_backward(call, ctx.kept, d_y, want_params, want_input)
+        elif d_y.is_cuda:
+            with in_capture(call.fn, d_y):
+                grads, d_x = call.fn.backward(call.params, ctx.saved, d_y, want_params, want_input)
+        else:
+            grads, d_x = call.fn.backward(call.params, ctx.saved, d_y, want_params, want_input)
         if d_x is not None and call.nchw:
             d_x = d_x.permute(0, 3, 1, 2)  # (N, C, H, W) in channels_last memory, as x
         if not grads:  # parameters not wanted
@@ -160,5 +164,10 @@ def _graph_backward(call: Call, kept: tuple, d_y: Tensor, want_params: bool, wan
         saved = fn.saved(x, pre, mean, inv_std, call.batch_stats)
         fn.backward(call.params, saved, d_y, want_params, want_input, grads_out=grads, d_x_out=d_x)
         return saved.resources
-    graphs.run(key, run, d_y)
+    if torch.cuda.is_current_stream_capturing():
+        # A capture of the caller's that began after the forward: the launches go into it.
+        with fn.deferred_frees():
+            run()
+    else:
+        graphs.run(key, run, d_y)
     return grads, d_x

@@ -107,7 +107,8 @@ class CallGraphs:
         side = self._side
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.stream(side):
+            # No free of numba's while capturing (a dropped array's, queued earlier).
+            with torch.cuda.stream(side), self.fn.deferred_frees():
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     resources = call()

@@ -26,6 +26,7 @@ memory, and a capture after eager steps on another stream fails on the node's st
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Optional
 
@@ -48,6 +49,15 @@ def _lookup(key: str) -> Any:
     if fn is None:
         raise RuntimeError(f"conv2d ops: no functions registered as {key!r} (the module that made them is gone)")
     return fn
+
+
+def in_capture(fn: Any, x: Tensor) -> contextlib.AbstractContextManager:
+    """While torch's current stream is captured into a CUDA graph (torch.cuda.graph, or
+    torch.compile's CUDA graphs), the CUDA functions' calls defer numba's frees (a free
+    would invalidate the capture); otherwise nothing."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return fn.deferred_frees()
+    return contextlib.nullcontext()
 
 
 def _detached(*tensors: Optional[Tensor]) -> list:
@@ -99,7 +109,8 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[T
     params = _params(weight, bias, gamma, beta)
     if x.is_cuda:
         saved_out = saved_outputs(fn, x)
-        y, _ = fn.forward(params, x, training, running, saved_out=saved_out)
+        with in_capture(fn, x):
+            y, _ = fn.forward(params, x, training, running, saved_out=saved_out)
         stats = [saved_out["mean"], saved_out["inv_std"]]
         pre = saved_out["pre"]
     else:
@@ -130,8 +141,9 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[
     """(d_x, d_weight, d_bias, d_gamma, d_beta), fresh; empty where not wanted or absent."""
     fn = _lookup(key)
     x, weight, bias, gamma, beta, d_y = _detached(x, weight, bias, gamma, beta, d_y)
-    saved = fn.saved(x, pre, mean, inv_std, batch_stats)
-    grads, d_x = fn.backward(_params(weight, bias, gamma, beta), saved, d_y, want_params, want_input)
+    with in_capture(fn, x):
+        saved = fn.saved(x, pre, mean, inv_std, batch_stats)
+        grads, d_x = fn.backward(_params(weight, bias, gamma, beta), saved, d_y, want_params, want_input)
     grads = grads or {}
 
     def got(a):  # outputs may not alias each other: a new empty tensor for each absent one
