@@ -84,13 +84,25 @@ def test_a_key_whose_capture_failed_runs_eagerly_from_then_on():
 
 def test_at_most_capacity_graphs_are_kept_the_least_recently_used_dropped():
     g = Policy(capacity=2)
-    for key in "aabbacc":  # "b" is the least recently used when "c" is captured
+    for key in "aabbbacc":  # "b" (replayed once) is the least recently used when "c" is captured
         g.call(key)
     assert list(g._graphs) == ["a", "c"]
     g.log.clear()
     g.call("b")  # a dropped graph's key starts over: one eager call, then a capture
     g.call("b")
     assert g.log == [("call", "b"), ("capture", "b"), ("call", "b"), ("follow",), ("replay", "b")]
+
+
+def test_a_graph_dropped_without_a_replay_doubles_the_sightings():
+    g = Policy(capacity=1)
+    for key in "aabb":  # "a" is dropped unreplayed when "b" is captured
+        g.call(key)
+    assert g.sightings == 4
+    for key in "ccc":
+        g.call(key)
+    assert g.counts["captured"] == 2  # "c" only after its fourth call
+    g.call("c")
+    assert g.counts["captured"] == 3 and g.sightings == 8  # "b" went unreplayed too
 
 
 def test_a_graph_keeps_what_its_capture_call_returned():

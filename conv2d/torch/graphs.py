@@ -43,7 +43,7 @@ class CallGraphs:
     or replays the graph captured from an earlier call with the same key. `capacity`:
     graphs kept (least recently used dropped); `sightings`: calls with one key before it
     is captured (2: the first runs eagerly, which prepares the launches and cuDNN plans a
-    capture may not build). `counts`: how the calls went ("eager", "captured" (a
+    capture may not build), doubled (up to 64) whenever a graph is dropped unreplayed. `counts`: how the calls went ("eager", "captured" (a
     capture and its first replay), "replayed" (a graph captured before), "failed": captures that failed, whose keys run eagerly from then on)."""
 
     def __init__(self, fn: Any, device: torch.device, capacity: int = 8, sightings: int = 2) -> None:
@@ -52,7 +52,7 @@ class CallGraphs:
         self.fn, self.device = fn, device
         self.capacity, self.sightings = capacity, sightings
         self.counts = {"eager": 0, "captured": 0, "replayed": 0, "failed": 0}
-        self._graphs: OrderedDict[tuple, tuple[Any, Any]] = OrderedDict()
+        self._graphs: OrderedDict[tuple, list] = OrderedDict()  # key -> [graph, resources, replays]
         self._seen: OrderedDict[tuple, int] = OrderedDict()  # key -> eager calls so far, -1: failed
         self._side: torch.cuda.Stream | None = None
         st = storage_dtype(fn.spec.dtype)
@@ -72,6 +72,7 @@ class CallGraphs:
             self._graphs.move_to_end(key)
             self.fn.follow(stream_of)  # orders the replay after the backend's own calls
             found[0].replay()
+            found[2] += 1
             self.counts["replayed"] += 1
             return
         seen = self._seen.pop(key, 0)  # eager calls with this key so far; -1: its capture failed
@@ -87,9 +88,14 @@ class CallGraphs:
             self._remember(key, -1)
             return
         self.counts["captured"] += 1
-        self._graphs[key] = (graph, resources)
+        self._graphs[key] = [graph, resources, 0]
         while len(self._graphs) > self.capacity:
-            self._graphs.popitem(last=False)
+            _, (_, _, replays) = self._graphs.popitem(last=False)
+            if replays == 0:
+                # A capture that never paid off: the addresses cycle through more keys
+                # than are kept. Ask for more repeats before the next capture (a capture
+                # costs far more than the launches it replaces).
+                self.sightings = min(2 * self.sightings, 64)
         self.fn.follow(stream_of)
         graph.replay()  # the capture recorded the call; this does it
 
