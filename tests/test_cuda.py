@@ -944,8 +944,12 @@ def test_eager_steps_replayed_as_cuda_graphs_give_the_launched_steps_bits(norm, 
     graphed, launched, tdt = _graphed_and_launched(torch, norm, dtype)
     x = torch.randn(4, 5, 12, 10, device="cuda").to(tdt, memory_format=torch.channels_last)
     d_y = torch.randn(4, 6, 12, 10, device="cuda").to(tdt, memory_format=torch.channels_last)
-    got = _training_steps(torch, graphed, x, d_y, 6)
-    want = _training_steps(torch, launched, x, d_y, 6)
+    # Ten steps: while calls launch, the blocks torch hands out cycle with a period of
+    # about three (the last step's output is still bound when the next one is made, and
+    # the backend's prepared launches hold their last arguments), so keys repeat only
+    # from the fourth step on.
+    got = _training_steps(torch, graphed, x, d_y, 10)
+    want = _training_steps(torch, launched, x, d_y, 10)
     for step, (a, b) in enumerate(zip(got, want)):
         assert all(torch.equal(u, v) for u, v in zip(a, b)), f"step {step}"
     counts = graphed.graph_counts()
@@ -958,8 +962,8 @@ def test_a_module_called_twice_before_its_backward_replays_each_call_with_its_ow
     graphed, launched, tdt = _graphed_and_launched(torch, "batch_norm", "float32", channels=6)
     x = torch.randn(4, 6, 12, 10, device="cuda").to(memory_format=torch.channels_last)
     d_y = torch.randn(4, 6, 12, 10, device="cuda").to(memory_format=torch.channels_last)
-    got = _training_steps(torch, graphed, x, d_y, 6, twice=True)
-    want = _training_steps(torch, launched, x, d_y, 6, twice=True)
+    got = _training_steps(torch, graphed, x, d_y, 10, twice=True)
+    want = _training_steps(torch, launched, x, d_y, 10, twice=True)
     for step, (a, b) in enumerate(zip(got, want)):
         assert all(torch.equal(u, v) for u, v in zip(a, b)), f"step {step}"
     assert graphed.graph_counts()["replayed"] > 0
@@ -972,7 +976,7 @@ def test_acting_without_gradients_replays_the_evaluation_graph():
     with torch.no_grad():
         for model in (graphed, launched):
             model.eval()
-        for step in range(5):
+        for step in range(10):
             obs = x + step  # a new observation each step
             assert torch.equal(graphed(obs), launched(obs)), step
     assert graphed.graph_counts()["replayed"] >= 2
@@ -986,8 +990,8 @@ def test_graphs_hold_the_plans_they_were_captured_with_when_the_backend_drops_th
     for size in (12, 8, 12, 8, 12, 8):
         x = torch.randn(2, 5, size, size, device="cuda").to(memory_format=torch.channels_last)
         d_y = torch.randn(2, 6, size, size, device="cuda").to(memory_format=torch.channels_last)
-        got = _training_steps(torch, graphed, x, d_y, 3)
-        want = _training_steps(torch, launched, x, d_y, 3)
+        got = _training_steps(torch, graphed, x, d_y, 8)
+        want = _training_steps(torch, launched, x, d_y, 8)
         for a, b in zip(got, want):
             assert all(torch.equal(u, v) for u, v in zip(a, b)), size
     assert graphed.graph_counts()["replayed"] > 0
@@ -1000,7 +1004,7 @@ def test_a_capture_of_the_callers_step_records_launches_not_the_modules_graphs()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):  # warm-up: captures and replays the module's own graphs
+        for _ in range(8):  # warm-up: captures and replays the module's own graphs
             graphed(x).sum().backward()
     torch.cuda.current_stream().wait_stream(side)
     before = graphed.graph_counts()
@@ -1020,7 +1024,7 @@ def test_a_dropped_module_gives_its_backend_back_without_the_garbage_collector()
     torch = pytest.importorskip("torch", reason="torch is not installed")
     ours, _, _ = _module_pair(torch, "batch_norm", "float32")
     x = torch.randn(4, 5, 12, 10, device="cuda").to(memory_format=torch.channels_last)
-    for _ in range(3):  # a launch, a capture, a replay
+    for _ in range(8):  # launches, captures, replays
         ours(x).sum().backward()
     assert ours.graph_counts()["captured"] > 0
     refs = [weakref.ref(entry[0]) for entry in ours._functions.values()]

@@ -175,14 +175,10 @@ class Conv2dNormActivation(nn.Module):
             raise TypeError(f"x: expected a float64, float32, float16 or bfloat16 tensor, got {x.dtype}")
         spec = self._spec_for(_DTYPES[x.dtype])
         if backend == "cuda":
-            with torch.cuda.device(x.device):
-                fn = make_functions(backend, spec, **self.backend_options)
+            fn, graphs = _cuda_functions(spec, x.device, self.backend_options)
         else:
-            fn = make_functions(backend, spec)
+            fn, graphs = make_functions(backend, spec), None
         op_key = f"{id(self)}:{backend}:{x.dtype}:{x.device}"
-        # A backend given a stream of its own runs there, not on torch's current stream
-        # where a graph would replay.
-        graphs = eager.CallGraphs(fn, x.device) if backend == "cuda" and not fn.stream_given else None
         found = self._functions[key] = (fn, op_key, graphs)
         ops.register(op_key, fn)
         return found
@@ -232,6 +228,19 @@ class Conv2dNormActivation(nn.Module):
             y = ops.Conv2dFunction.apply(x.permute(0, 2, 3, 1) if nchw else x, w, bias, gamma, beta, running_mean,
                                          running_var, self.training, self._spec.batch_statistics(self.training), key)
         return y.permute(0, 3, 1, 2) if nchw else y
+
+
+@torch.compiler.disable
+def _cuda_functions(spec: LayerSpec, device: torch.device, options: dict) -> tuple[Any, Any]:
+    """(the CUDA backend's functions for `spec` on `device`, their CallGraphs or None).
+    Outside torch.compile's tracing: the functions compile numba kernels, and numba's
+    compiler reads NumPy's ufuncs, which dynamo swaps for its own while it traces
+    (KeyError: <ufunc 'multiply'> when a compiled module made them first, on the H200)."""
+    with torch.cuda.device(device):
+        fn = make_functions("cuda", spec, **options)
+    # A backend given a stream of its own runs there, not on torch's current stream
+    # where a graph would replay.
+    return fn, (None if fn.stream_given else eager.CallGraphs(fn, device))
 
 
 def activation_module(name: str | Activation) -> nn.Module:
