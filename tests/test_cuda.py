@@ -923,15 +923,16 @@ def _graphed_and_launched(torch, norm, dtype, channels=5, **kw):
 
 def _training_steps(torch, model, x, d_y, steps, twice=False):
     """Eager SGD steps (the parameters change in place between them), a fresh input copy
-    each step: what each step gave, cloned."""
+    each step: what each step gave, copied to the host (device copies kept from step to
+    step would make torch hand out other blocks every step, and no address repeat)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []
     for _ in range(steps):
         xr = x.clone().requires_grad_(True)
         y = model(model(xr)) if twice else model(xr)
         y.backward(d_y)
-        out.append([t.detach().clone() for t in (y, xr.grad, *(p.grad for p in model.parameters()),
-                                                  *model.buffers())])
+        out.append([t.detach().cpu() for t in (y, xr.grad, *(p.grad for p in model.parameters()),
+                                                *model.buffers())])
         opt.step()
         opt.zero_grad()
     return out
@@ -944,10 +945,8 @@ def test_eager_steps_replayed_as_cuda_graphs_give_the_launched_steps_bits(norm, 
     graphed, launched, tdt = _graphed_and_launched(torch, norm, dtype)
     x = torch.randn(4, 5, 12, 10, device="cuda").to(tdt, memory_format=torch.channels_last)
     d_y = torch.randn(4, 6, 12, 10, device="cuda").to(tdt, memory_format=torch.channels_last)
-    # Ten steps: while calls launch, the blocks torch hands out cycle with a period of
-    # about three (the last step's output is still bound when the next one is made, and
-    # the backend's prepared launches hold their last arguments), so keys repeat only
-    # from the fourth step on.
+    # Ten steps: the last step's output is still bound when the next one is made, so the
+    # blocks torch hands out alternate, and keys repeat from the third step on.
     got = _training_steps(torch, graphed, x, d_y, 10)
     want = _training_steps(torch, launched, x, d_y, 10)
     for step, (a, b) in enumerate(zip(got, want)):
@@ -979,6 +978,7 @@ def test_acting_without_gradients_replays_the_evaluation_graph():
         for step in range(10):
             obs = x + step  # a new observation each step
             assert torch.equal(graphed(obs), launched(obs)), step
+            del obs
     assert graphed.graph_counts()["replayed"] >= 2
 
 

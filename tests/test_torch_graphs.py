@@ -29,7 +29,8 @@ class Policy(CallGraphs):
         self.log, self.fail = [], set(fail)
         spec = LayerSpec(batch_size=None, in_height=3, in_width=3, in_channels=2, out_channels=4, kernel=3,
                          normalization="batch_norm", dtype="bfloat16")
-        fn = types.SimpleNamespace(spec=spec, follow=lambda t: self.log.append(("follow",)))
+        fn = types.SimpleNamespace(spec=spec, follow=lambda t: self.log.append(("follow",)),
+                                   release=lambda resources: None)
         super().__init__(fn, torch.device("cpu"), **kw)
         self._capturing = None
 

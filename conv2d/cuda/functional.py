@@ -372,6 +372,16 @@ class Functions:
             self._switch(stream)
         return stream
 
+    def release(self, resources: Any) -> None:
+        """Let the prepared launches of a call's plan (its Saved's `resources`) go of the
+        caller's torch tensors of their last call (Launch.release), which they keep
+        otherwise until the next call: for a caller that replays graphs keyed by
+        addresses (conv2d.torch.graphs), where kept tensors make torch hand out other
+        blocks on the next step."""
+        with self._lock:
+            for launch in resources.launches.values():
+                launch.release()
+
     def deferred_frees(self) -> contextlib.AbstractContextManager:
         """A context in which numba frees no device memory, events or streams (it queues
         them): for calls inside a CUDA graph capture, which a free would invalidate."""

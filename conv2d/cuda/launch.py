@@ -98,6 +98,18 @@ class Launch:
             cu_stream = self._driver.CUstream(stream_handle(stream))
             self._raw = (self._function, *self.grid, *self.block, 0, cu_stream, ctypes.addressof(self._params), 0)
 
+    def release(self) -> None:
+        """Let go of the caller's arrays (torch tensors' views) kept from the last call:
+        their memory goes back to torch's stream-ordered allocator once the caller drops
+        them, so that a training loop gets the same blocks step after step (the slots
+        keep the addresses, which the next call rewrites). Prepared launches only (the
+        dispatcher's path keeps its numba views)."""
+        if self._raw is None:
+            return
+        for i, a in enumerate(self.args):
+            if type(a) is ForeignArray and a.owner is not None:
+                self.args[i] = ForeignArray(a.ptr, a.shape, a.dtype, None)
+
     def _set(self, i: int, value: Any) -> None:
         # The argument is kept (so that an identical one costs nothing next time, and its
         # memory lives as long as a launch may read it).

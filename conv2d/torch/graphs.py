@@ -40,7 +40,10 @@ class CallGraphs:
 
     `run(key, call)` does `call()` (a backend call that allocates nothing: its outputs
     were allocated by the caller, and `key` names every address and flag it depends on)
-    or replays the graph captured from an earlier call with the same key. `capacity`:
+    or replays the graph captured from an earlier call with the same key. After a call
+    that launched (or was captured), the backend lets go of the call's tensors
+    (`Functions.release`), so that the caller's next step gets the same blocks from
+    torch's allocator. `capacity`:
     graphs kept (least recently used dropped); `sightings`: calls with one key before it
     is captured (2: the first runs eagerly, which prepares the launches and cuDNN plans a
     capture may not build), doubled (up to 64) whenever a graph is dropped unreplayed. `counts`: how the calls went ("eager", "captured" (a
@@ -78,17 +81,18 @@ class CallGraphs:
             return
         seen = self._seen.pop(key, 0)  # eager calls with this key so far; -1: its capture failed
         if seen < 0 or seen + 1 < self.sightings:
-            call()
+            self.fn.release(call())
             self.counts["eager"] += 1
             self._remember(key, seen if seen < 0 else seen + 1)
             return
         graph, resources = self._capture(call)
         if graph is None:
             self.counts["failed"] += 1
-            call()
+            self.fn.release(call())
             self._remember(key, -1)
             return
         self.counts["captured"] += 1
+        self.fn.release(resources)
         self._graphs[key] = [graph, resources, 0]
         while len(self._graphs) > self.capacity:
             _, (_, _, replays) = self._graphs.popitem(last=False)
