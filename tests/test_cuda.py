@@ -915,7 +915,7 @@ def _graphed_and_launched(torch, norm, dtype, channels=5, **kw):
     torch.manual_seed(0)
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     graphed = Conv2dNormActivation(channels, 6 if channels == 5 else channels, 3, padding=1, norm=norm,
-                                   activation="gelu", device="cuda", **kw).to(tdt)
+                                   activation="gelu", device="cuda", cuda_graphs=True, **kw).to(tdt)
     launched = copy.deepcopy(graphed)
     launched.cuda_graphs = False
     return graphed, launched, tdt
@@ -1023,6 +1023,7 @@ def test_a_dropped_module_gives_its_backend_back_without_the_garbage_collector()
 
     torch = pytest.importorskip("torch", reason="torch is not installed")
     ours, _, _ = _module_pair(torch, "batch_norm", "float32")
+    ours.cuda_graphs = True
     x = torch.randn(4, 5, 12, 10, device="cuda").to(memory_format=torch.channels_last)
     for _ in range(8):  # launches, captures, replays
         ours(x).sum().backward()

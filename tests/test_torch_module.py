@@ -113,6 +113,21 @@ def test_an_nhwc_module_gives_the_nchw_modules_results_bitwise_in_nhwc(norm):
     torch.testing.assert_close(nhwc.state_dict(), nchw.state_dict(), rtol=0, atol=0)
 
 
+def test_cuda_graphs_other_than_a_bool_is_refused():
+    with pytest.raises(TypeError, match="cuda_graphs: expected a bool, got 'yes'"):
+        Conv2dNormActivation(3, 5, cuda_graphs="yes")
+
+
+def test_cuda_graphs_change_nothing_on_the_cpu():
+    ours, _ = module_and_sequential("batch_norm", "relu")
+    graphed, _ = module_and_sequential("batch_norm", "relu", cuda_graphs=True)
+    x, d_y = channels_last((4, 3, 7, 6)), channels_last((4, 5, 7, 6), seed=2)
+    for _ in range(3):
+        got, want = run(graphed, x, d_y), run(ours, x, d_y)
+        assert all(torch.equal(a, b) for a, b in zip(got[:2], want[:2]))
+    assert graphed.graph_counts() == {"eager": 0, "captured": 0, "replayed": 0, "failed": 0}
+
+
 def test_a_layout_other_than_nchw_or_nhwc_is_refused():
     with pytest.raises(ValueError, match="^layout: expected 'NCHW' or 'NHWC', got 'CHWN'"):
         Conv2dNormActivation(3, 5, layout="CHWN")
