@@ -15,7 +15,9 @@ and little else: Python there costs more than on the calling thread (on the H200
 virtual machine the backend's backward took 125 us of host time on the calling thread
 and about 240 on autograd's: scripts/probe_module.py, tiny_latency bn float32).
 A weight in another memory format is read through its channels_last copy (one
-differentiable copy a call).
+differentiable copy a call). With the module's `cuda_graphs`, the node allocates the
+call's outputs and saved values itself and hands the backend call to `Call.graphs`
+(conv2d.torch.graphs), which replays a captured graph of it when every address repeats.
 
 Versions: x, the weight, gamma and beta are still saved with `save_for_backward`, so a
 backward after one of them was changed in place raises, as PyTorch's own layers do.
