@@ -334,6 +334,16 @@ class Functions:
         if found is not None:
             self._views[group] = (arrays, [(k, arrays[k]) for k in names], found[1])
             return found[1]
+        views = self._flat_views(group, arrays, names)
+        if len(self._views) >= 32:
+            self._views.clear()
+        self._views[key] = ([arrays[k] for k in names], views)  # the originals pin the ids
+        self._views[group] = (arrays, [(k, arrays[k]) for k in names], views)
+        return views
+
+    def _flat_views(self, group: str, arrays: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+        """Checked flat device views of `arrays[k]` for k in `names` (keys checked by the
+        caller), each of its state layout's shape (or flat) and dtype."""
         layout = self._layout
         views = {}
         for k in names:
@@ -344,10 +354,6 @@ class Functions:
                                 f"them in place), got {type(a).__name__}")
             views[k] = device_view(self.cuda, f"{group}[{k!r}]", a, self.spec.dtype if dt == self.st else
                                    DType.FLOAT32, shape, flat=True)
-        if len(self._views) >= 32:
-            self._views.clear()
-        self._views[key] = ([arrays[k] for k in names], views)  # the originals pin the ids
-        self._views[group] = (arrays, [(k, arrays[k]) for k in names], views)
         return views
 
     def _params(self, params: Mapping[str, Any]) -> dict[str, Any]:
@@ -671,15 +677,7 @@ class Functions:
         if not isinstance(grads_out, Mapping) or set(grads_out) != set(names):
             got = sorted(grads_out) if isinstance(grads_out, Mapping) else grads_out
             raise ValueError(f"grads_out: expected keys {names}, got {got!r}")
-        layout = self._grad_layout
-        views = {}
-        for k in names:
-            a, (shape, dt) = grads_out[k], layout[k]
-            if isinstance(a, np.ndarray) or not hasattr(a, "shape"):
-                raise TypeError(f"grads_out[{k!r}]: expected a device array, got {describe(a)}")
-            views[k] = device_view(self.cuda, f"grads_out[{k!r}]", a, self.spec.dtype if dt == self.st else
-                                   DType.FLOAT32, shape, flat=True)
-        return views
+        return self._flat_views("grads_out", grads_out, names)  # a gradient has its parameter's layout
 
     def _gradients(self, accumulate: Mapping[str, Any] | None, lib: str, like: Any) -> tuple[dict, Any]:
         """(flat device gradient arrays the kernels write or add into, what the caller

@@ -137,11 +137,9 @@ class EagerConv2d(torch.autograd.Function):
         d_y = d_y.detach()
         if ctx.saved is None:
             grads, d_x = _graph_backward(call, ctx.kept, d_y, want_params, want_input)
-        elif d_y.is_cuda:
-            with in_capture(call.fn, d_y):
-                grads, d_x = call.fn.backward(call.params, ctx.saved, d_y, want_params, want_input)
         else:
-            grads, d_x = call.fn.backward(call.params, ctx.saved, d_y, want_params, want_input)
+            with in_capture(call.fn, d_y):  # nothing for a CPU tensor
+                grads, d_x = call.fn.backward(call.params, ctx.saved, d_y, want_params, want_input)
         if d_x is not None and call.nchw:
             d_x = d_x.permute(0, 3, 1, 2)  # (N, C, H, W) in channels_last memory, as x
         if not grads:  # parameters not wanted
