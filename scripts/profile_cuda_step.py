@@ -67,7 +67,7 @@ def module_steps(spec):
 
     from bench_cuda import our_module, torch_nchw
 
-    model = our_module(spec)
+    model = our_module(spec, cuda_graphs=False)  # the launches, the pieces a replay would hide
     x_host, dy_host = inputs(spec)
     x = torch_nchw(x_host, spec).requires_grad_(True)
     dy = torch_nchw(dy_host, spec)

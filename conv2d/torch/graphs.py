@@ -43,14 +43,16 @@ class CallGraphs:
     or replays the graph captured from an earlier call with the same key. After a call
     that launched (or was captured), the backend lets go of the call's tensors
     (`Functions.release`), so that the caller's next step gets the same blocks from
-    torch's allocator. `capacity`: graphs kept (least recently used dropped);
+    torch's allocator. `capacity`: graphs kept (least recently used dropped; 32: a
+    module called twice a step has four keys a step, in two sets that alternate, and with
+    8 the H200 dropped some before their first replay);
     `sightings`: calls with one key before it is captured (2: the first runs eagerly,
     which prepares the launches and cuDNN plans a capture may not build), doubled (up to
     64) whenever a graph is dropped unreplayed. `counts`: how the calls went ("eager",
     "captured" (a capture and its first replay), "replayed" (a graph captured before),
     "failed": captures that failed, whose keys run eagerly from then on)."""
 
-    def __init__(self, fn: Any, device: torch.device, capacity: int = 8, sightings: int = 2) -> None:
+    def __init__(self, fn: Any, device: torch.device, capacity: int = 32, sightings: int = 2) -> None:
         if sightings < 1 or capacity < 1:
             raise ValueError(f"capacity and sightings: expected ints >= 1, got {capacity!r} and {sightings!r}")
         self.fn, self.device = fn, device

@@ -87,12 +87,14 @@ class Conv2dNormActivation(nn.Module):
     `layout`: "NCHW" (the default, as above) or "NHWC": x is (N, H, W, C), as this
     library's arrays and JAX's convolutions, read in place when contiguous (else copied
     once), and y is (N, OH, OW, OC), contiguous; the parameters and state_dict are the
-    same in both. `cuda_graphs` (opt-in, as PyTorch's own CUDA graphs are): in eager
+    same in both. `cuda_graphs` (on by default; False: every call launches): in eager
     mode on a GPU, replay a CUDA graph of a call whose every address (x, parameters,
     outputs) and flag repeat an earlier call's, in place of the launches
-    (conv2d.torch.graphs: the same kernels with the same arguments, a fraction of the
-    host time where a step is host-bound; a training loop that keeps no device tensors
-    from step to step repeats its addresses); `graph_counts()` says how the calls went.
+    (conv2d.torch.graphs: the same kernels with the same arguments, so the same bits,
+    at a fraction of the host time where a step is host-bound; a training loop that
+    keeps no device tensors from step to step repeats its addresses). Not used inside a
+    caller's capture (`torch.cuda.graph`: the launches go into it) nor under
+    torch.compile. `graph_counts()` says how the calls went.
     `backend_options` go to the CUDA backend (e.g. `allow_tf32`).
     """
 
@@ -100,7 +102,7 @@ class Conv2dNormActivation(nn.Module):
                  stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] = 0, bias: bool = True,
                  norm: str = "batch_norm", activation: str = "relu", eps: float = 1e-5, momentum: float = 0.1,
                  running_var: str = "unbiased", device: Any = None, dtype: Any = None, layout: str = "NCHW",
-                 cuda_graphs: bool = False, **backend_options: Any) -> None:
+                 cuda_graphs: bool = True, **backend_options: Any) -> None:
         super().__init__()
         if layout not in ("NCHW", "NHWC"):
             raise ValueError(f"layout: expected 'NCHW' or 'NHWC', got {layout!r}")
