@@ -109,17 +109,15 @@ class EagerConv2d(torch.autograd.Function):
             return y.detach()
         # The saved values in tensors from torch's allocator (not the backend's own
         # recycled buffers): captured in torch.cuda.graph, they land in the graph's pool.
+        out = saved_outputs(fn, x_nhwc)
         if graphs is None:
-            out = saved_outputs(fn, x_nhwc)
             with in_capture(fn, x):
                 y, ctx.saved = fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out)
             # The CUDA functions keep y (a prepared launch's argument), and autograd sets
             # its grad_fn on the tensor it is given: hand out an alias that they do not hold.
             return y.detach()
-        with graphs.allocating():  # addresses that the caller's other tensors do not move
-            out = saved_outputs(fn, x_nhwc)
-            pre, mean, inv_std = out["pre"], out["mean"], out["inv_std"]
-            y = torch.empty(pre.shape, dtype=x.dtype, device=x.device)
+        pre, mean, inv_std = out["pre"], out["mean"], out["inv_std"]
+        y = torch.empty(pre.shape, dtype=x.dtype, device=x.device)
         key = (True, call.training, x_nhwc.shape, x.data_ptr(), y.data_ptr(), pre.data_ptr(), mean.data_ptr(),
                inv_std.data_ptr(), call.ptrs)
         graphs.run(key, lambda: fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out,
@@ -156,9 +154,8 @@ def _graph_backward(call: Call, kept: tuple, d_y: Tensor, want_params: bool, wan
     allocated here, as one graph replay when every address repeats."""
     fn, graphs = call.fn, call.graphs
     x, pre, mean, inv_std = kept
-    with graphs.allocating():
-        d_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if want_input else None
-        grads = graphs.new_gradients(x) if want_params else None
+    d_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if want_input else None
+    grads = graphs.new_gradients(x) if want_params else None
     key = (False, call.batch_stats, x.shape, x.data_ptr(), pre.data_ptr(), mean.data_ptr(), inv_std.data_ptr(),
            d_y.data_ptr(), 0 if d_x is None else d_x.data_ptr(),
            () if grads is None else tuple(g.data_ptr() for g in grads.values()), call.ptrs)

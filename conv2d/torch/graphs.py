@@ -14,13 +14,6 @@ executes and the kernel launches. This is torch.compile's "reduce-overhead" idea
 op, without the copies in and out: nothing is copied, because a graph is only replayed
 when the call's own tensors are at the captured addresses.
 
-The node allocates those outputs from one private memory pool per device
-(`torch.cuda.MemPool`, shared by every module's graphed calls): blocks that only these
-calls take and give back, so their addresses repeat whatever else the caller allocates
-and keeps from step to step (a metric kept on the device, a tensor of another library's).
-The price is that the pool's free blocks serve these calls alone, not the rest of the
-program.
-
 A replay runs the captured call's kernels with the same arguments, so its results are
 bitwise the eager call's. What the key leaves out is the backend's own memory for the
 call (its shape's plan: reduction scratch, cuDNN workspace, launch counters): the entry
@@ -34,27 +27,12 @@ key from then on.
 from __future__ import annotations
 
 from collections import OrderedDict
-from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 import torch
 
 from conv2d.dtypes import storage_dtype
 from conv2d.state import grad_layout
-
-
-_POOLS: dict[int, Any] = {}  # device index -> the torch.cuda.MemPool of graphed calls' outputs
-
-
-def output_pool(device: torch.device) -> AbstractContextManager:
-    """A context in which the calling thread's CUDA allocations on `device` come from the
-    private pool of graphed calls' outputs (made on first use, kept for the process)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    pool = _POOLS.get(index)
-    if pool is None:
-        with torch.cuda.device(index):
-            pool = _POOLS[index] = torch.cuda.MemPool()
-    return torch.cuda.use_mem_pool(pool, index)
 
 
 class CallGraphs:
@@ -86,10 +64,6 @@ class CallGraphs:
         self.last_failure: str | None = None  # why the last failed capture failed
         st = storage_dtype(fn.spec.dtype)
         self._grads = [(k, shape, dt == st) for k, (shape, dt) in grad_layout(fn.spec).items()]
-
-    def allocating(self) -> AbstractContextManager:
-        """The context to allocate a call's outputs and saved values in (`output_pool`)."""
-        return output_pool(self.device)
 
     def new_gradients(self, like: torch.Tensor) -> dict[str, torch.Tensor]:
         """Uninitialised gradient tensors of the backend's gradient layout (the weights'
