@@ -912,9 +912,10 @@ def test_the_module_captures_after_eager_steps_on_the_default_stream():
 def _graphed_and_launched(torch, norm, dtype, channels=5, **kw):
     from conv2d.torch import Conv2dNormActivation
 
-    # The cached blocks earlier tests left behind, given back: the steps then find the
-    # allocator as a training process does at its start (a fragmented cache can take more
-    # steps than a test runs before its addresses settle into a cycle).
+    # Earlier tests' garbage collected now, not in the middle of these steps (a collection
+    # that frees device tensors moves the blocks the steps get), and the cached blocks
+    # given back: the steps find the allocator as a training process does at its start.
+    gc.collect()
     torch.cuda.empty_cache()
     torch.manual_seed(0)
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
