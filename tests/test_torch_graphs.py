@@ -106,6 +106,22 @@ def test_a_graph_dropped_without_a_replay_doubles_the_sightings():
     assert g.counts["captured"] == 3 and g.sightings == 8  # "b" went unreplayed too
 
 
+def test_the_default_keeps_every_graph_of_a_module_called_twice_a_step():
+    """The keys an H200 step loop gave a module called twice a step (forward, forward,
+    backward, backward): three settling steps, then two sets of four that alternate. Every
+    graph captured is replayed before it could be dropped, so the repeats a capture waits
+    for stay at two (with 8 graphs kept, the warm-up's dropped graph doubled them)."""
+    g = Policy()
+    a, b = [11, 5, 12, 13], [14, 15, 16, 17]
+    for key in [0, 1, 2, 3, 4, 5, 6, 7, 8, 1, 9, 10] + (a + b) * 3:
+        g.call(key)
+    assert g.sightings == 2
+    g.log.clear()
+    for key in a + b:
+        g.call(key)
+    assert [e for e in g.log if e[0] != "follow"] == [("replay", key) for key in a + b]
+
+
 def test_a_graph_keeps_what_its_capture_call_returned():
     g = Policy()
     g.call("a")
