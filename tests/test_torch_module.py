@@ -118,12 +118,13 @@ def test_cuda_graphs_other_than_a_bool_is_refused():
         Conv2dNormActivation(3, 5, cuda_graphs="yes")
 
 
-def test_cuda_graphs_change_nothing_on_the_cpu():
-    ours, _ = module_and_sequential("batch_norm", "relu")
-    graphed, _ = module_and_sequential("batch_norm", "relu", cuda_graphs=True)
+def test_cuda_graphs_are_on_by_default_and_change_nothing_on_the_cpu():
+    launched, _ = module_and_sequential("batch_norm", "relu", cuda_graphs=False)
+    graphed, _ = module_and_sequential("batch_norm", "relu")
+    assert graphed.cuda_graphs is True
     x, d_y = channels_last((4, 3, 7, 6)), channels_last((4, 5, 7, 6), seed=2)
     for _ in range(3):
-        got, want = run(graphed, x, d_y), run(ours, x, d_y)
+        got, want = run(graphed, x, d_y), run(launched, x, d_y)
         assert all(torch.equal(a, b) for a, b in zip(got[:2], want[:2]))
     assert graphed.graph_counts() == {"eager": 0, "captured": 0, "replayed": 0, "failed": 0}
 
