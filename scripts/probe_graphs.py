@@ -28,16 +28,17 @@ def main() -> None:
     import torch
     from bench_cuda import our_module, torch_nchw, torch_sequential
     from bench_shapes import bench_spec, inputs
+    from probe_cuda import host_us
+    from probe_module import _EngineProbe
 
     spec = bench_spec(a.shape, a.bn, a.dtype)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = True, False
     xh, dyh = inputs(spec)
     x, dy = torch_nchw(xh, spec).requires_grad_(True), torch_nchw(dyh, spec)
 
-    def timed(f, n=a.n, host_only: bool = False) -> float:
-        """us a call: the GPU drained inside the timing (a piece whose GPU work outlasts
-        its host time reads as GPU time), or with `host_only`, the clock stopped before
-        the drain (the host's share alone, while the GPU queue has room)."""
+    def timed(f, n=a.n) -> float:
+        """us a call, the GPU drained inside the timing (a piece whose GPU work outlasts
+        its host time reads as GPU time; probe_cuda.host_us stops the clock before)."""
         for _ in range(20):
             f()
         torch.cuda.synchronize()
@@ -46,9 +47,8 @@ def main() -> None:
             t0 = time.perf_counter()
             for _ in range(n):
                 f()
-            t1 = time.perf_counter()
             torch.cuda.synchronize()
-            runs.append(((t1 if host_only else time.perf_counter()) - t0) / n * 1e6)
+            runs.append((time.perf_counter() - t0) / n * 1e6)
         return min(runs)
 
     out = {}
@@ -76,25 +76,16 @@ def main() -> None:
                 found = [entry[0] for key, entry in entries if key[0] == is_forward]
                 if found:
                     out[f"{direction} graph replay()"] = timed(found[-1].replay)
-                    out[f"{direction} graph replay(), host only"] = timed(found[-1].replay, n=50, host_only=True)
+                    # 50: few enough that the GPU queue never fills and holds the host back
+                    out[f"{direction} graph replay(), host only"] = host_us(found[-1].replay, torch.cuda.synchronize,
+                                                                            n=50)
             x_nhwc = x.detach().permute(0, 2, 3, 1)
             out["fn.follow(x)"] = timed(lambda: fn.follow(x_nhwc))
             out["torch.empty x4"] = timed(lambda: [torch.empty(16, device="cuda") for _ in range(4)])
             print(f"graphs kept: {len(entries)}, calls: {model.graph_counts()}", flush=True)
 
-    class Empty(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t.view_as(t)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
-    def empty_step():
-        x.grad = None
-        Empty.apply(x).backward(torch.ones_like(x))
-    out["empty Python node step (x-shaped)"] = timed(empty_step)
+    empty = _EngineProbe(x)  # an identity node whose backward does nothing
+    out["empty Python node step (x-shaped)"] = timed(lambda: empty.run(lambda: None))
     print(f"== {a.shape} bn={a.bn} {a.dtype}, host us a call")
     for k, v in out.items():
         print(f"  {k:42s} {v:8.1f}")

@@ -35,6 +35,9 @@ from conv2d.dtypes import storage_dtype
 from conv2d.state import grad_layout
 
 
+COUNTS = ("eager", "captured", "replayed", "failed")  # CallGraphs.counts' keys, in this order
+
+
 class CallGraphs:
     """CUDA graphs of one backend `Functions`' calls, keyed by the calls' addresses.
 
@@ -45,10 +48,10 @@ class CallGraphs:
     (`Functions.release`), so that the caller's next step gets the same blocks from
     torch's allocator. `capacity`: graphs kept (least recently used dropped; 32: a
     module called twice a step has four keys a step, in two sets that alternate, and with
-    8 the H200 dropped some before their first replay);
-    `sightings`: calls with one key before it is captured (2: the first runs eagerly,
-    which prepares the launches and cuDNN plans a capture may not build), doubled (up to
-    64) whenever a graph is dropped unreplayed. `counts`: how the calls went ("eager",
+    8 the H200 dropped some before their first replay); `sightings`: calls with one key
+    before it is captured (2: the first runs eagerly, which prepares the launches and
+    cuDNN plans a capture may not build), doubled (up to 64) whenever a graph is dropped
+    unreplayed. `counts`: how the calls went ("eager",
     "captured" (a capture and its first replay), "replayed" (a graph captured before),
     "failed": captures that failed, whose keys run eagerly from then on)."""
 
@@ -57,7 +60,7 @@ class CallGraphs:
             raise ValueError(f"capacity and sightings: expected ints >= 1, got {capacity!r} and {sightings!r}")
         self.fn, self.device = fn, device
         self.capacity, self.sightings = capacity, sightings
-        self.counts = {"eager": 0, "captured": 0, "replayed": 0, "failed": 0}
+        self.counts = dict.fromkeys(COUNTS, 0)
         self._graphs: OrderedDict[tuple, list] = OrderedDict()  # key -> [graph, resources, replays]
         self._seen: OrderedDict[tuple, int] = OrderedDict()  # key -> eager calls so far, -1: failed
         self._side: torch.cuda.Stream | None = None

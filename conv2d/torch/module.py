@@ -27,6 +27,7 @@ from conv2d.activations import Activation
 from conv2d.backend import make_functions
 from conv2d.spec import DType, LayerSpec, Normalization, _pair
 from conv2d.torch import eager, ops
+from conv2d.torch.graphs import COUNTS, CallGraphs
 
 _DTYPES = {torch.float64: DType.FLOAT64, torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16,
            torch.bfloat16: DType.BFLOAT16}
@@ -161,7 +162,7 @@ class Conv2dNormActivation(nn.Module):
         """How the module's eager CUDA calls went so far, summed over its devices and
         dtypes: "eager" (launched), "captured", "replayed", "failed" (captures that failed;
         those calls launch)."""
-        total = {"eager": 0, "captured": 0, "replayed": 0, "failed": 0}
+        total = dict.fromkeys(COUNTS, 0)
         for _, _, graphs in self._functions.values():
             for k, v in (graphs.counts.items() if graphs is not None else ()):
                 total[k] += v
@@ -244,7 +245,7 @@ def _cuda_functions(spec: LayerSpec, device: torch.device, options: dict) -> tup
         fn = make_functions("cuda", spec, **options)
     # A backend given a stream of its own runs there, not on torch's current stream
     # where a graph would replay.
-    return fn, (None if fn.stream_given else eager.CallGraphs(fn, device))
+    return fn, (None if fn.stream_given else CallGraphs(fn, device))
 
 
 def activation_module(name: str | Activation) -> nn.Module:
