@@ -222,6 +222,53 @@ def test_backward_twice_through_a_retained_graph_gives_twice_the_gradients():
     torch.testing.assert_close(module.conv.weight.grad, 2 * once[1], rtol=1e-12, atol=0)
 
 
+def _saved_by(module, x):
+    """(y, weak references to what the module's node saved for its backward)."""
+    import weakref
+
+    refs = []
+
+    def pack(t):
+        refs.append(weakref.ref(t))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = module(x)
+    return y, refs
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_backward_frees_the_saved_activations_while_the_output_lives_as_pytorchs_layers_do(norm):
+    module, _ = module_and_sequential(norm, "gelu")
+    x = channels_last((2, 3, 4, 4)).requires_grad_(True)
+    y, refs = _saved_by(module, x)
+    inputs = {id(t) for t in (x, *module.parameters())}
+    activations = [r for r in refs if r() is not None and id(r()) not in inputs]
+    assert activations, "the node saved none of its forward's values"
+    y.backward(torch.ones_like(y))
+    gc.collect()
+    assert [r() for r in activations if r() is not None] == []
+
+
+def test_saved_tensor_hooks_replace_every_saved_value_and_the_gradients_stay_the_same():
+    module, _ = module_and_sequential("batch_norm", "gelu")
+    x, d_y = channels_last((2, 3, 4, 4)), channels_last((2, 5, 4, 4), seed=2)
+    want = run(module, x, d_y)
+    module.zero_grad()
+    packed = []
+
+    def pack(t):  # what an offloading hook does: another tensor, elsewhere in memory
+        packed.append(t.shape)
+        return t.clone()
+    xr = x.clone().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = module(xr)
+    y.backward(d_y)
+    assert len(packed) >= 5  # x, the weight, gamma, beta, and the forward's own values
+    assert torch.equal(xr.grad, want[1])
+    for k, p in module.named_parameters():
+        assert torch.equal(p.grad, want[2][k]), k
+
+
 def test_a_second_derivative_is_refused_not_returned_as_zero():
     module, _ = module_and_sequential("none", "tanh")
     x = channels_last((2, 3, 4, 4)).requires_grad_(True)

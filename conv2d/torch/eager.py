@@ -1,26 +1,26 @@
 """The module's eager path: one `torch.autograd.Function` straight over a backend's
-`Functions`, with the functional `Saved` kept in autograd's context.
+`Functions`.
 
 `conv2d.torch.ops` is what `torch.compile` sees: two opaque operators that take and
-return tensors only, so the forward hands its saved values out as tensors and the
-backward rebuilds a `Saved` from them. In eager mode nothing needs them to be tensors,
-and every step through the operators paid for it: three saved tensors allocated and
-viewed, eight tensors saved and unpacked, the `Saved` rebuilt from its input on
-autograd's thread, fresh dicts of detached parameters (so the backend's per-dict view
-cache never hit), and a permute node in the graph for x and for the weight.
-`EagerConv2d` keeps the `Saved` itself, reads the module's parameters through one cached
-dict of detached NHWC views (`ParameterViews`), and permutes x, the weight and their
-gradients itself. The work left on autograd's device thread is the backend's backward
-and little else: Python there costs more than on the calling thread (on the H200's
+return tensors only, with a permute node in the graph for x and for the weight and fresh
+dicts of detached parameters every call (so the backend's per-dict view cache never
+hits). `EagerConv2d` reads the module's parameters through one cached dict of detached
+NHWC views (`ParameterViews`), and permutes x, the weight and their gradients itself.
+Python on autograd's device thread costs more than on the calling thread (on the H200's
 virtual machine the backend's backward took 125 us of host time on the calling thread
-and about 240 on autograd's: scripts/probe_module.py, tiny_latency bn float32).
-A weight in another memory format is read through its channels_last copy (one
-differentiable copy a call). With the module's `cuda_graphs`, the node allocates the
-call's outputs and saved values itself and hands the backend call to `Call.graphs`
-(conv2d.torch.graphs), which replays a captured graph of it when every address repeats.
+and about 240 on autograd's: scripts/probe_module.py, tiny_latency bn float32), so the
+backward does little besides the backend's call. With the module's `cuda_graphs`, the
+node allocates the call's outputs and saved values itself and hands the backend call to
+`Call.graphs` (conv2d.torch.graphs), which replays a captured graph of it when every
+address repeats.
 
-Versions: x, the weight, gamma and beta are still saved with `save_for_backward`, so a
-backward after one of them was changed in place raises, as PyTorch's own layers do.
+Saved values: x, the weight, gamma, beta and the forward's pre-activations and
+statistics all go through `save_for_backward`, nothing is kept on ctx. So a backward
+after one of the inputs was changed in place raises, as PyTorch's own layers do;
+autograd frees the activations after the backward (unless retain_graph), so a graph
+still referenced (a loss kept for logging) holds none; and saved-tensor hooks
+(`torch.autograd.graph.saved_tensors_hooks`: offloading, checkpointing) see them all.
+The backward rebuilds the backend's `Saved` from them (`Functions.saved`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from conv2d.arrays import to_library
 from conv2d.torch.graphs import CallGraphs
 from conv2d.torch.ops import _detached as detached, _params as param_dict, in_capture, saved_outputs
 
@@ -102,44 +103,55 @@ class EagerConv2d(torch.autograd.Function):
         # (nothing differentiates them); the backend reads and updates them through call.
         fn, graphs = call.fn, call.graphs
         x_nhwc = _nhwc(x, call.nchw)
-        ctx.call, ctx.kept = call, None
-        ctx.save_for_backward(x, weight, gamma, beta)
+        ctx.call = call
         if not x.is_cuda:
-            y, ctx.saved = fn.forward(call.params, x_nhwc, call.training, call.running)
-            return y.detach()
-        # The saved values in tensors from torch's allocator (not the backend's own
-        # recycled buffers): captured in torch.cuda.graph, they land in the graph's pool.
-        out = saved_outputs(fn, x_nhwc)
-        if graphs is None:
-            with in_capture(fn, x):
-                y, ctx.saved = fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out)
-            # The CUDA functions keep y (a prepared launch's argument), and autograd sets
-            # its grad_fn on the tensor it is given: hand out an alias that they do not hold.
-            return y.detach()
-        pre, mean, inv_std = out["pre"], out["mean"], out["inv_std"]
-        y = torch.empty(pre.shape, dtype=x.dtype, device=x.device)
-        key = (True, call.training, x_nhwc.shape, x.data_ptr(), y.data_ptr(), pre.data_ptr(), mean.data_ptr(),
-               inv_std.data_ptr(), call.ptrs)
-        graphs.run(key, lambda: fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out,
-                                           y_out=y)[1].resources, x)
-        ctx.saved, ctx.kept = None, (x_nhwc, pre, mean, inv_std)
+            y, saved = fn.forward(call.params, x_nhwc, call.training, call.running)
+            # The reference's saved arrays are its own (new each call): tensors over them,
+            # no copy, so that autograd keeps and frees them as it does its own.
+            pre, mean, inv_std = (None if a is None else to_library(a, "torch")
+                                  for a in (saved.pre, saved.mean, saved.inv_std))
+        else:
+            # The saved values in tensors from torch's allocator (not the backend's own
+            # recycled buffers): captured in torch.cuda.graph, they land in the graph's pool.
+            out = saved_outputs(fn, x_nhwc)
+            pre, mean, inv_std = out["pre"], out["mean"], out["inv_std"]
+            if graphs is None:
+                with in_capture(fn, x):
+                    y, _ = fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out)
+            else:
+                y = torch.empty(pre.shape, dtype=x.dtype, device=x.device)
+                key = (True, call.training, x_nhwc.shape, x.data_ptr(), y.data_ptr(), pre.data_ptr(),
+                       mean.data_ptr(), inv_std.data_ptr(), call.ptrs)
+                graphs.run(key, lambda: fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out,
+                                                   y_out=y)[1].resources, x)
+        # Every saved value goes through save_for_backward, none on ctx: autograd frees
+        # them after the backward (unless retain_graph), as it does nn.BatchNorm2d's, so a
+        # graph kept alive (a loss held for logging) holds no activations, and the next
+        # step gets the same blocks from torch's allocator (the graph keys repeat).
+        ctx.save_for_backward(x, weight, gamma, beta, pre, mean, inv_std)
+        # The CUDA functions keep y (a prepared launch's argument), and autograd sets its
+        # grad_fn on the tensor it is given: hand out an alias that they do not hold.
         return y.detach()
 
     @staticmethod
     @once_differentiable  # its gradients have no graph: a double backward raises, not returns zeros
     def backward(ctx: Any, d_y: Tensor) -> tuple:
-        ctx.saved_tensors  # raises if x or a parameter was changed in place after the forward
+        # Raises if x or a parameter was changed in place after the forward, or if the
+        # graph was freed by an earlier backward.
+        x, _, _, _, pre, mean, inv_std = ctx.saved_tensors
         call, needs = ctx.call, ctx.needs_input_grad
         want_input, want_params = needs[0], any(needs[1:5])
         # Autograd may hand d_y in another layout; the backends read C-contiguous (NHWC).
         if not d_y.is_contiguous():
             d_y = d_y.contiguous()
         d_y = d_y.detach()
-        if ctx.saved is None:
-            grads, d_x = _graph_backward(call, ctx.kept, d_y, want_params, want_input)
+        x = _nhwc(x, call.nchw)
+        if call.graphs is not None:
+            grads, d_x = _graph_backward(call, (x, pre, mean, inv_std), d_y, want_params, want_input)
         else:
+            saved = call.fn.saved(x, pre, mean, inv_std, call.batch_stats)
             with in_capture(call.fn, d_y):  # nothing for a CPU tensor
-                grads, d_x = call.fn.backward(call.params, ctx.saved, d_y, want_params, want_input)
+                grads, d_x = call.fn.backward(call.params, saved, d_y, want_params, want_input)
         if d_x is not None and call.nchw:
             d_x = d_x.permute(0, 3, 1, 2)  # (N, C, H, W) in channels_last memory, as x
         if not grads:  # parameters not wanted
