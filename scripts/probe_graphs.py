@@ -4,11 +4,13 @@
 
     python3 scripts/probe_graphs.py --shape tiny_latency --bn [--dtype bfloat16] [--n 300]
 
-Rows: each model's step (forward + backward, x requiring grad), our forward with and
-without grad, our step with autograd on the calling thread, the replay() of one captured
+Rows: each model's step (forward + backward, x requiring grad), also with autograd's
+backward on the calling thread (torch.autograd.set_multithreading_enabled(False); by
+default a CUDA backward runs on autograd's device thread), our forward with and
+without grad, the replay() of one captured
 forward and backward graph alone (drained: its GPU time where that is longer; and the
 host's share only), Functions.follow, four torch.empty, and an empty Python autograd
-node's step (the floor of any Python node). Every row but "host only" drains the GPU
+node's step (the floor of any Python node), on both threads. Every row but "host only" drains the GPU
 inside its timing: a row is the host's time a call only where the GPU keeps up."""
 import argparse
 import sys
@@ -62,6 +64,9 @@ def main() -> None:
             model(x)
         out[f"{name} step"] = timed(step)
         if name == "torch":
+            torch.autograd.set_multithreading_enabled(False)
+            out[f"{name} step, autograd on this thread"] = timed(step)
+            torch.autograd.set_multithreading_enabled(True)
             continue
         out[f"{name} forward"] = timed(forward)
         with torch.no_grad():
@@ -86,6 +91,9 @@ def main() -> None:
 
     empty = _EngineProbe(x)  # an identity node whose backward does nothing
     out["empty Python node step (x-shaped)"] = timed(lambda: empty.run(lambda: None))
+    torch.autograd.set_multithreading_enabled(False)
+    out["empty Python node step, autograd on this thread"] = timed(lambda: empty.run(lambda: None))
+    torch.autograd.set_multithreading_enabled(True)
     print(f"== {a.shape} bn={a.bn} {a.dtype}, host us a call")
     for k, v in out.items():
         print(f"  {k:42s} {v:8.1f}")

@@ -910,6 +910,8 @@ def test_the_module_captures_after_eager_steps_on_the_default_stream():
 
 # The module's eager calls replayed as CUDA graphs (conv2d.torch.graphs) ------------------------
 def _graphed_and_launched(torch, norm, dtype, channels=5, **kw):
+    """(a module with cuda_graphs, its copy without, the torch dtype): channels in, and
+    6 out for the default 5 (a small layer), else as many as in."""
     from conv2d.torch import Conv2dNormActivation
 
     # Earlier tests' garbage collected now, not in the middle of these steps (a collection
@@ -926,10 +928,23 @@ def _graphed_and_launched(torch, norm, dtype, channels=5, **kw):
     return graphed, launched, tdt
 
 
+def _steady_input(torch, tdt):
+    """(x, d_y) of a layer of 16 channels in and out, (8, 16, 72, 72): every activation-sized
+    tensor of a step (x, y, the saved values, d_x) is of one size above 1 MB, which torch's
+    allocator serves from its large pool, apart from the step's small tensors (gradients,
+    statistics), which in a small layer split the same blocks."""
+    x = torch.randn(8, 16, 72, 72, device="cuda").to(tdt, memory_format=torch.channels_last)
+    return x, torch.randn_like(x)
+
+
 def _training_steps(torch, model, x, d_y, steps, twice=False):
     """Eager SGD steps (the parameters change in place between them), a fresh input copy
-    each step: what each step gave, copied to the host (device copies kept from step to
-    step would make torch hand out other blocks every step, and no address repeat)."""
+    each step: what each step gave, copied to the host. Each step lets go of its device
+    tensors before the next, as a loop that keeps only a scalar loss (the backward frees
+    the saved values): so every step gets the blocks of the one before, and the calls'
+    keys repeat. (A loop that still holds the last step's input and output when it makes
+    the next rotates them through more blocks than two steps use, and on the H200 a
+    single call's keys did not repeat within ten steps.)"""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []
     for _ in range(steps):
@@ -940,6 +955,7 @@ def _training_steps(torch, model, x, d_y, steps, twice=False):
                                                 *model.buffers())])
         opt.step()
         opt.zero_grad()
+        del xr, y
     return out
 
 
@@ -947,11 +963,9 @@ def _training_steps(torch, model, x, d_y, steps, twice=False):
 @pytest.mark.parametrize("norm", NORMS)
 def test_eager_steps_replayed_as_cuda_graphs_give_the_launched_steps_bits(norm, dtype):
     torch = pytest.importorskip("torch", reason="torch is not installed")
-    graphed, launched, tdt = _graphed_and_launched(torch, norm, dtype)
-    x = torch.randn(4, 5, 12, 10, device="cuda").to(tdt, memory_format=torch.channels_last)
-    d_y = torch.randn(4, 6, 12, 10, device="cuda").to(tdt, memory_format=torch.channels_last)
-    # Ten steps: the last step's output is still bound when the next one is made, so the
-    # blocks torch hands out alternate, and keys repeat from the third step on.
+    graphed, launched, tdt = _graphed_and_launched(torch, norm, dtype, channels=16)
+    x, d_y = _steady_input(torch, tdt)
+    # Ten steps: a key is captured at its second call and replayed from its third on.
     got = _training_steps(torch, graphed, x, d_y, 10)
     want = _training_steps(torch, launched, x, d_y, 10)
     for step, (a, b) in enumerate(zip(got, want)):
@@ -963,9 +977,8 @@ def test_eager_steps_replayed_as_cuda_graphs_give_the_launched_steps_bits(norm, 
 
 def test_a_module_called_twice_before_its_backward_replays_each_call_with_its_own_saved_values():
     torch = pytest.importorskip("torch", reason="torch is not installed")
-    graphed, launched, tdt = _graphed_and_launched(torch, "batch_norm", "float32", channels=6)
-    x = torch.randn(4, 6, 12, 10, device="cuda").to(memory_format=torch.channels_last)
-    d_y = torch.randn(4, 6, 12, 10, device="cuda").to(memory_format=torch.channels_last)
+    graphed, launched, tdt = _graphed_and_launched(torch, "batch_norm", "float32", channels=16)
+    x, d_y = _steady_input(torch, tdt)
     got = _training_steps(torch, graphed, x, d_y, 10, twice=True)
     want = _training_steps(torch, launched, x, d_y, 10, twice=True)
     for step, (a, b) in enumerate(zip(got, want)):

@@ -86,6 +86,10 @@ class ParameterViews:
         return (*self._dicts, ptrs)
 
 
+def _ptr(t: Optional[Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
 def _nhwc(t: Tensor, nchw: bool) -> Tensor:
     return t.detach().permute(0, 2, 3, 1) if nchw else t.detach()
 
@@ -113,7 +117,7 @@ class EagerConv2d(torch.autograd.Function):
         else:
             # The saved values in tensors from torch's allocator (not the backend's own
             # recycled buffers): captured in torch.cuda.graph, they land in the graph's pool.
-            out = saved_outputs(fn, x_nhwc)
+            out = saved_outputs(fn, x_nhwc, placeholders=False)
             pre, mean, inv_std = out["pre"], out["mean"], out["inv_std"]
             if graphs is None:
                 with in_capture(fn, x):
@@ -121,7 +125,7 @@ class EagerConv2d(torch.autograd.Function):
             else:
                 y = torch.empty(pre.shape, dtype=x.dtype, device=x.device)
                 key = (True, call.training, x_nhwc.shape, x.data_ptr(), y.data_ptr(), pre.data_ptr(),
-                       mean.data_ptr(), inv_std.data_ptr(), call.ptrs)
+                       _ptr(mean), _ptr(inv_std), call.ptrs)
                 graphs.run(key, lambda: fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out,
                                                    y_out=y)[1].resources, x)
         # Every saved value goes through save_for_backward, none on ctx: autograd frees
@@ -168,8 +172,8 @@ def _graph_backward(call: Call, kept: tuple, d_y: Tensor, want_params: bool, wan
     x, pre, mean, inv_std = kept
     d_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if want_input else None
     grads = graphs.new_gradients(x) if want_params else None
-    key = (False, call.batch_stats, x.shape, x.data_ptr(), pre.data_ptr(), mean.data_ptr(), inv_std.data_ptr(),
-           d_y.data_ptr(), 0 if d_x is None else d_x.data_ptr(),
+    key = (False, call.batch_stats, x.shape, x.data_ptr(), pre.data_ptr(), _ptr(mean), _ptr(inv_std),
+           d_y.data_ptr(), _ptr(d_x),
            () if grads is None else tuple(g.data_ptr() for g in grads.values()), call.ptrs)
 
     def run() -> Any:

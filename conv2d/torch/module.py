@@ -199,7 +199,7 @@ class Conv2dNormActivation(nn.Module):
         fn, key, graphs = self._functions_for(x)
         nchw = self.layout == "NCHW"
         if nchw:
-            if not x.permute(0, 2, 3, 1).is_contiguous():
+            if not x.is_contiguous(memory_format=torch.channels_last):
                 x = x.contiguous(memory_format=torch.channels_last)  # one copy, differentiable
         else:
             x = x.contiguous()  # x itself when contiguous
@@ -212,7 +212,7 @@ class Conv2dNormActivation(nn.Module):
                 if self.training:
                     norm.num_batches_tracked.add_(1)
         if type(x) is torch.Tensor and type(weight) in _PLAIN and not torch.compiler.is_compiling():
-            if weight.permute(0, 2, 3, 1).is_contiguous():
+            if weight.is_contiguous(memory_format=torch.channels_last):
                 params, running, ptrs = self._views.get(weight, bias, gamma, beta, running_mean, running_var)
             else:
                 # A weight in another memory format: its channels_last copy (one
