@@ -6,12 +6,12 @@
 
 Rows: each model's step (forward + backward, x requiring grad), also with autograd's
 backward on the calling thread (torch.autograd.set_multithreading_enabled(False); by
-default a CUDA backward runs on autograd's device thread), our forward with and
-without grad, the replay() of one captured
-forward and backward graph alone (drained: its GPU time where that is longer; and the
-host's share only), Functions.follow, four torch.empty, and an empty Python autograd
-node's step (the floor of any Python node), on both threads. Every row but "host only" drains the GPU
-inside its timing: a row is the host's time a call only where the GPU keeps up."""
+default a CUDA backward runs on autograd's device thread), our forward with and without
+grad, the replay() of one captured forward and backward graph alone (drained: its GPU
+time where that is longer; and the host's share only), Functions.follow, four
+torch.empty, and an empty Python autograd node's step (the floor of any Python node) on
+both threads. Every row but "host only" drains the GPU inside its timing: a row is the
+host's time a call only where the GPU keeps up."""
 import argparse
 import sys
 import time
