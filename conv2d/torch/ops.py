@@ -74,28 +74,13 @@ def saved_outputs(fn: Any, x: Tensor, placeholders: bool = True) -> dict[str, Op
     "pre" (N, OH, OW, OC) in x's dtype, "mean" and "inv_std" float32 per norm group;
     without a norm (nothing reads or writes them) one-element `placeholders` (an
     operator's outputs are tensors), or None."""
-    shape = output_shape(fn.spec, x.shape)
+    shape = fn.spec.at(*x.shape[:3]).output_shape
     groups = _groups(fn, x.shape[0])
     out = {"pre": torch.empty(shape, dtype=x.dtype, device=x.device), "mean": None, "inv_std": None}
     if groups or placeholders:
         out["mean"], out["inv_std"] = (torch.empty(max(groups, 1), dtype=torch.float32, device=x.device)
                                        for _ in range(2))
     return out
-
-
-_SHAPES: dict = {}
-
-
-def output_shape(spec: Any, shape: tuple) -> tuple:
-    """spec's output shape (N, OH, OW, OC) for an input of `shape` (N, H, W, C), remembered
-    (a spec at a size is a validated dataclass, made once a shape, not once a call)."""
-    key = (id(spec), shape[0], shape[1], shape[2])
-    found = _SHAPES.get(key)
-    if found is None or found[0] is not spec:
-        if len(_SHAPES) >= 256:
-            _SHAPES.clear()
-        found = _SHAPES[key] = (spec, spec.at(shape[0], shape[1], shape[2]).output_shape)
-    return found[1]
 
 
 def _params(weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor]) -> dict:
