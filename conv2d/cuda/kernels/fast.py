@@ -19,7 +19,8 @@ are read once where they do not change with the row (no norm, batch norm), and y
 d_z written with one 8-byte store a lane group. In a row kernel phase two runs in the
 same launch, in two levels: the last block of each group of `phase_group` blocks (an
 atomic ticket) adds the group's partials, the last group adds those, reading them
-coalesced in its own channel layout. Layer norm's per-sample sums keep a separate phase-two launch
+coalesced in its own channel layout; a launch of one block (a small layer) finishes its
+own sums. Within a block, the threads' sums of a channel are added in a fixed tree. Layer norm's per-sample sums keep a separate phase-two launch
 (`partials_final`, `stats_final`).
 
 `kernel_set(storage, activation, norm, lanes, wide, config)` compiles (once) the kernels
@@ -433,6 +434,19 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         elif accumulate == ACC_WRITE:
             store(acc0, g, t0 + ZERO)
 
+    @cuda.jit(device=True, inline=True)
+    def fold_rows(s0, s1, t, n, C):
+        # s0[c] and s1[c] (c < C) become the sums of the n rows of C values there (row j at
+        # j * C), in a fixed tree: rows [h, n) added onto [0, n - h), h = ceil(n / 2), until
+        # one row is left. Every thread of the block calls it (it synchronises the block).
+        while n > 1:
+            h = (n + 1) // 2
+            for i in range(t, (n - h) * C, ROW_THREADS):
+                s0[i] += s0[i + h * C]
+                s1[i] += s1[i + h * C]
+            cuda.syncthreads()
+            n = h
+
     def make_rows(kind):
         @cuda.jit(**row_jit_options(config))
         def rows(z, d_y, out, mean, inv_std, gamma, beta, sums, batch_stats, count, epsilon, momentum, var_scale,
@@ -444,7 +458,8 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
             consecutive values; otherwise a thread takes groups t, t+ROW_THREADS, ...
             Summing kinds write one partial per block and channel to out0/out1 (P, C); the
             last block to finish (counted in counter[0], which it resets) adds them up in
-            a fixed order and finishes (`finish`): phase two without another launch."""
+            a fixed order and finishes (`finish`): phase two without another launch. A
+            grid of one block finishes its own partials."""
             s0 = cuda.shared.array(ROW_SHARED, dtype=np.float32)
             s1 = cuda.shared.array(ROW_SHARED, dtype=np.float32)
             run0 = cuda.local.array(MAX_LANES, dtype=np.float32)
@@ -480,16 +495,23 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
                     s0[t * LANES + v] = run0[v]
                     s1[t * LANES + v] = run1[v]
                 cuda.syncthreads()
-                # Thread j * CG + g kept group g of rows j, j + R, ...: channel c's R sums
-                # are added in that order.
+                # Thread j * CG + g kept group g of rows j, j + R, ...: s0 and s1 hold
+                # (R, C) sums, row j channel c at j * C + c. Channel c's R sums are added
+                # in a fixed tree (rows [h, n) onto [0, n - h), h = ceil(n / 2), until
+                # one row is left): log2(R) steps where adding them in a loop of R
+                # took R dependent steps (R = 128 for 8 bf16 channels: 2-3 us a launch).
+                fold_rows(s0, s1, t, R, C)
                 for c in range(t, C, ROW_THREADS):
-                    t0, t1 = ZERO, ZERO
-                    for j in range(R):
-                        t0 += s0[(j * CG + c // LANES) * LANES + c % LANES]
-                        t1 += s1[(j * CG + c // LANES) * LANES + c % LANES]
-                    out0[p * C + c] = t0
-                    out1[p * C + c] = t1
-            if kind != WRITE_Y:
+                    out0[p * C + c] = s0[c]
+                    out1[p * C + c] = s1[c]
+            if kind != WRITE_Y and cuda.gridDim.x == 1:
+                # One block: its partials are the totals, finished here without a ticket.
+                # ZERO + x: the bits that phase two's sums (from ZERO) would give.
+                cuda.syncthreads()  # the block's partials, written by its threads
+                for c in range(t, C, ROW_THREADS):
+                    finish(kind, c, ZERO + out0[c], ZERO + out1[c], z, mean, inv_std, sums, count, epsilon, momentum,
+                           var_scale, C, acc0, acc1, accumulate)
+            elif kind != WRITE_Y:
                 # Phase two in two levels when there are several groups of PHASE_GROUP
                 # blocks: the last block of a group to finish adds the group's partials
                 # in block order into row P + group; the last group to finish adds those
