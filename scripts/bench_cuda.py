@@ -3,19 +3,22 @@
 as a CUDA graph on both sides, plus a batch sweep of rl_small.
 
     python scripts/bench_cuda.py [--shapes a,b] [--dtypes float32,bfloat16] [--iters 20]
-                                 [--sweep 1,2,4,...] [--no-tuned] [--no-module] [--no-acting] [--no-tf32]
-                                 [--no-optim]
+                                 [--sweep 1,2,4,...] [--no-steps] [--no-tuned] [--no-module] [--no-acting]
+                                 [--no-tf32] [--no-optim]
                                  [--out DIR]
 
 PyTorch runs nn.Conv2d (+ nn.BatchNorm2d) + nn.ReLU in channels_last with
 cudnn.deterministic = True and TF32 off, as ours. Each side runs with cuDNN's heuristic
-plan choice (ours by default, PyTorch's cudnn.benchmark = False), and once more, eager
+plan choice (ours by default, PyTorch's cudnn.benchmark = False: the first table, unless
+--no-steps, as the next two), and once more, eager
 and as CUDA graphs, with plans autotuned among the deterministic ones (ours
 `autotune=True`, PyTorch's cudnn.benchmark = True): a second table (unless --no-tuned).
 A third table steps each layer at a second batch size (a quarter of the planned one, 8
 for batch 1) without a new layer: ours planned for the shape's batch, eager and captured
 at the second, beside PyTorch at the second. A fourth (unless --no-module) runs our PyTorch
-module in PyTorch's own step in place of the Sequential, eager and in torch.cuda.graph.
+module in PyTorch's own step beside the Sequential it replaces, eager (also with autograd's
+backward on the calling thread) and in torch.cuda.graph, both timed in turns
+(module_vs_torch).
 Then (unless --no-acting) acting: evaluate at N = 1 and a synchronisation, eager and
 replayed, wall time a call, beside PyTorch's eval module under no_grad; and (unless
 --no-tf32) ours with allow_tf32=True beside PyTorch's float32 default (TF32,
@@ -183,35 +186,69 @@ def our_module(spec, cuda_graphs: bool = True):
 
 
 def pytorch(spec, x_host, dy_host, iters: int, eager: bool = True, benchmark: bool = False,
-            module: bool | str = False, tf32: bool = False) -> dict:
-    """PyTorch's Sequential step; with `module`, the same step of our
-    conv2d.torch.Conv2dNormActivation in its place (its default: eager calls replayed as
-    CUDA graphs where the addresses repeat; module="launched": cuda_graphs=False, every
-    call launches);
-    with `tf32`, PyTorch's float32 default (TF32
+            tf32: bool = False) -> dict:
+    """PyTorch's Sequential step; with `tf32`, PyTorch's float32 default (TF32
     convolutions, nondeterministic algorithms allowed)."""
     import torch
 
     torch.backends.cudnn.benchmark = benchmark
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cudnn.deterministic = not tf32
-    if module:
-        model = our_module(spec, cuda_graphs=module != "launched")
-    else:
-        model = torch_sequential(spec).train()
+    step = torch_step(torch_sequential(spec).train(), x_host, dy_host, spec)
+    out = {}
+    if eager:
+        out["eager"] = torch_timed(step, iters)
+    out["graph"] = torch_timed(torch_graph(step).replay, iters)
+    return out
+
+
+def torch_step(model, x_host, dy_host, spec):
+    """PyTorch's training step of `model` on x (requiring grad) and d_y: forward and
+    backward, the parameters' gradients accumulating, as ours."""
     x = torch_nchw(x_host, spec).requires_grad_(True)
     dy = torch_nchw(dy_host, spec)
 
     def step():
         x.grad = None
-        model(x).backward(dy)  # parameter gradients accumulate, as ours
+        model(x).backward(dy)
+    return step
 
-    out = {}
-    if eager:
-        out["eager"] = torch_timed(step, iters)
-        if module:
-            out["counts"] = model.graph_counts()  # how its eager calls went: replays, captures, launches
-    out["graph"] = torch_timed(torch_graph(step).replay, iters)
+
+MODULE_RUNS = ("torch", "module", "launched", "torch, calling thread", "module, calling thread")
+
+
+def module_vs_torch(spec, x_host, dy_host, iters: int, rounds: int = 3) -> dict:
+    """Our Conv2dNormActivation in PyTorch's step beside PyTorch's Sequential, timed in
+    turns so that each ratio compares the host at the same moment: `rounds` rounds, each
+    timing (`torch_timed`) every one of MODULE_RUNS once: PyTorch; the module (its
+    default, calls replayed as CUDA graphs where the addresses repeat); "launched"
+    (cuda_graphs=False, every call launches); and PyTorch and the module with autograd's
+    backward on the calling thread (torch.autograd.set_multithreading_enabled(False); by
+    default a CUDA backward runs on autograd's device thread). Each run's (GPU, wall) is
+    the median over its rounds; then both models' steps in torch.cuda.graph ("torch
+    graph", "module graph"), and the module's `graph_counts()` ("counts")."""
+    import torch
+
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+    steps = {"torch": torch_step(torch_sequential(spec).train(), x_host, dy_host, spec)}
+    module = our_module(spec)
+    steps["module"] = torch_step(module, x_host, dy_host, spec)
+    steps["launched"] = torch_step(our_module(spec, cuda_graphs=False), x_host, dy_host, spec)
+    timings = {run: [] for run in MODULE_RUNS}
+    for _ in range(rounds):
+        for run in MODULE_RUNS:
+            model, _, thread = run.partition(", ")
+            torch.autograd.set_multithreading_enabled(not thread)
+            try:
+                timings[run].append(torch_timed(steps[model], iters))
+            finally:
+                torch.autograd.set_multithreading_enabled(True)
+    out = {run: tuple(statistics.median(t[i] for t in ts) for i in (0, 1)) for run, ts in timings.items()}
+    out["counts"] = module.graph_counts()  # how its eager calls went: replays, captures, launches
+    out["torch graph"] = torch_timed(torch_graph(steps["torch"]).replay, iters)
+    out["module graph"] = torch_timed(torch_graph(steps["module"]).replay, iters)
     return out
 
 
@@ -309,6 +346,8 @@ def main() -> None:
     ap.add_argument("--sweep", default="1,2,4,8,16,32,64,128,256,512,1024",
                     help="batch sizes of the rl_small sweep (bfloat16, batch norm); empty for none")
     ap.add_argument("--no-tuned", action="store_true", help="skip the autotuned table")
+    ap.add_argument("--no-steps", action="store_true",
+                    help="skip the training-step tables (heuristic, autotuned, second batch size)")
     ap.add_argument("--no-module", action="store_true", help="skip the PyTorch-module table")
     ap.add_argument("--no-acting", action="store_true", help="skip the acting table (evaluate at N = 1)")
     ap.add_argument("--no-tf32", action="store_true", help="skip the TF32 table")
@@ -338,17 +377,34 @@ def main() -> None:
                    "| torch graph GPU | ratio |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     second_lines = []
     module_head = ["", "## The PyTorch module (conv2d.torch.Conv2dNormActivation) in a PyTorch step, beside "
-                   "PyTorch's Sequential (channels_last; heuristic plans)", "",
-                   "(module eager: the default, calls replayed as CUDA graphs where the addresses repeat; "
-                   "launched: cuda_graphs=False, every call launches; graph: the whole step in torch.cuda.graph)",
-                   "",
-                   "| shape | norm | dtype | module eager wall | torch eager wall | ratio | module eager wall, "
-                   "launched | ratio | module graph GPU | torch graph GPU | ratio |",
-                   "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                   "PyTorch's Sequential (channels_last; heuristic plans; timed in turns, median of 3 rounds)", "",
+                   "(module: the default, eager calls replayed as CUDA graphs where the addresses repeat; "
+                   "launched: cuda_graphs=False, every call launches; calling thread: "
+                   "torch.autograd.set_multithreading_enabled(False) on both sides; graph: the whole step in "
+                   "torch.cuda.graph)", "",
+                   "| shape | norm | dtype | module eager wall | torch eager wall | ratio | module eager GPU "
+                   "| torch eager GPU | launched wall | ratio | module wall, calling thread | torch wall, calling "
+                   "thread | ratio | module graph GPU | torch graph GPU | ratio |",
+                   "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+                   "| ---: | ---: |"]
     module_lines = []
     print("\n".join(lines), flush=True)
     nan = (float("nan"), float("nan"))
     for name, bn, spec, x, dy in cases(args.shapes, args.dtypes):
+        if not args.no_module:
+            m = module_vs_torch(spec, x, dy, args.iters)
+            wall = {run: m[run][1] for run in MODULE_RUNS}
+            module_line = (f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} | {wall['module']:.3f} "
+                           f"| {wall['torch']:.3f} | {wall['module'] / wall['torch']:.2f} | {m['module'][0]:.3f} "
+                           f"| {m['torch'][0]:.3f} | {wall['launched']:.3f} | {wall['launched'] / wall['torch']:.2f} "
+                           f"| {wall['module, calling thread']:.3f} | {wall['torch, calling thread']:.3f} "
+                           f"| {wall['module, calling thread'] / wall['torch, calling thread']:.2f} "
+                           f"| {m['module graph'][0]:.3f} | {m['torch graph'][0]:.3f} "
+                           f"| {m['module graph'][0] / m['torch graph'][0]:.2f} |")
+            module_lines.append(module_line)
+            print(module_line, f"(module calls: {m['counts']})", flush=True)
+        if args.no_steps:
+            continue
         o, t = ours(spec, x, dy, args.iters), pytorch(spec, x, dy, args.iters)
         if args.no_tuned:
             o_tuned = t_tuned = {"eager": nan, "graph": nan}
@@ -363,15 +419,6 @@ def main() -> None:
                   f"| {t2['eager'][1]:.3f} | {o2['eager'][1] / t2['eager'][1]:.2f} | {o2['graph'][0]:.3f} "
                   f"| {t2['graph'][0]:.3f} | {o2['graph'][0] / t2['graph'][0]:.2f} |")
         second_lines.append(second)
-        if not args.no_module:
-            m = pytorch(spec, x, dy, args.iters, module=True)
-            launched = pytorch(spec, x, dy, args.iters, module="launched")
-            module_line = (f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} | {m['eager'][1]:.3f} "
-                           f"| {t['eager'][1]:.3f} | {m['eager'][1] / t['eager'][1]:.2f} "
-                           f"| {launched['eager'][1]:.3f} | {launched['eager'][1] / t['eager'][1]:.2f} "
-                           f"| {m['graph'][0]:.3f} | {t['graph'][0]:.3f} | {m['graph'][0] / t['graph'][0]:.2f} |")
-            module_lines.append(module_line)
-            print(module_line, f"(module calls: {m['counts']})", flush=True)
         o["tuned_eager"], o["tuned_graph"] = o_tuned["eager"], o_tuned["graph"]
         t["tuned_eager"], t["tuned_graph"] = t_tuned["eager"], t_tuned["graph"]
         roof = roofline_ms(spec)
@@ -391,9 +438,12 @@ def main() -> None:
         lines.append(line)
         tuned_lines.append(tuned)
         print(line, "\n" + tuned, "\n" + second, flush=True)
-    if not args.no_tuned:
-        lines += tuned_head + tuned_lines
-    lines += second_head + second_lines
+    if args.no_steps:
+        lines = lines[:1]
+    else:
+        if not args.no_tuned:
+            lines += tuned_head + tuned_lines
+        lines += second_head + second_lines
     if not args.no_module:
         lines += module_head + module_lines
     if not args.no_acting:
