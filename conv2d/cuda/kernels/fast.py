@@ -20,7 +20,8 @@ d_z written with one 8-byte store a lane group. In a row kernel phase two runs i
 same launch, in two levels: the last block of each group of `phase_group` blocks (an
 atomic ticket) adds the group's partials, the last group adds those, reading them
 coalesced in its own channel layout; a launch of one block (a small layer) finishes its
-own sums. Within a block, the threads' sums of a channel are added in a fixed tree. Layer norm's per-sample sums keep a separate phase-two launch
+own sums. Within a block, the threads' sums of a channel are added in a fixed tree
+(`fold_rows`). Layer norm's per-sample sums keep a separate phase-two launch
 (`partials_final`, `stats_final`).
 
 `kernel_set(storage, activation, norm, lanes, wide, config)` compiles (once) the kernels
@@ -438,7 +439,8 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
     def fold_rows(s0, s1, t, n, C):
         # s0[c] and s1[c] (c < C) become the sums of the n rows of C values there (row j at
         # j * C), in a fixed tree: rows [h, n) added onto [0, n - h), h = ceil(n / 2), until
-        # one row is left. Every thread of the block calls it (it synchronises the block).
+        # one row is left (C = 1: one value, s0[0], the sum of s0[:n]). Every thread of the
+        # block calls it (it synchronises the block).
         while n > 1:
             h = (n + 1) // 2
             for i in range(t, (n - h) * C, ROW_THREADS):
@@ -571,17 +573,6 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
     rows = {k: make_rows(k) for k in (SUM_STATS, SUM_GRADS, WRITE_DZ, WRITE_Y)}
 
     @cuda.jit(device=True, inline=True)
-    def tree_sums(s0, s1, t, width):
-        # s0[0] and s1[0] become the sums of s0[:2 * width] and s1[:2 * width], halving in a
-        # fixed tree (so the order of the additions never changes); every thread calls it.
-        while width > 0:
-            if t < width:
-                s0[t] += s0[t + width]
-                s1[t] += s1[t + width]
-            cuda.syncthreads()
-            width //= 2
-
-    @cuda.jit(device=True, inline=True)
     def warp_sums(p0, p1, P, G, s0, s1):
         # The totals of both partial arrays for the block's group g (phase two of every
         # reduction), by one warp: a strided sum per lane, then the tree.
@@ -594,7 +585,7 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
         s0[lane] = a0
         s1[lane] = a1
         cuda.syncthreads()
-        tree_sums(s0, s1, lane, WARP // 2)
+        fold_rows(s0, s1, lane, WARP, 1)
         return s0[0], s1[0]
 
     @cuda.jit
@@ -639,7 +630,7 @@ def kernel_set(storage: str, activation: Activation, normalization: Normalizatio
             s0[t] = a0
             s1[t] = a1
             cuda.syncthreads()
-            tree_sums(s0, s1, t, SEG_THREADS // 2)
+            fold_rows(s0, s1, t, SEG_THREADS, 1)
             if t == 0:
                 out0[q * cuda.gridDim.x + n] = s0[0]
                 out1[q * cuda.gridDim.x + n] = s1[0]
