@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import ml_dtypes
+import zlib
+
 import numpy as np
 
 from conv2d.checks import check_plain_array, describe
@@ -81,6 +83,21 @@ def _address(a: Any) -> int | None:
         return a.data_ptr()
     iface = getattr(a, "__cuda_array_interface__", None)
     return None if iface is None else iface["data"][0]
+
+
+def content_mark(a: Any) -> tuple:
+    """Something that changes when `a`'s values are changed in place, read in O(size):
+    a torch tensor's version counter (advanced by every in-place torch operation) and,
+    for host memory (NumPy, torch CPU), a CRC-32 of the bytes (writes through a NumPy
+    view bypass torch's counter). Device arrays of other libraries have neither: ()."""
+    mark: tuple = ()
+    if library(a) == TORCH:
+        mark += (a._version,)
+    try:
+        host, _ = host_array("a", a)
+    except TypeError:
+        return mark
+    return mark + (zlib.crc32(np.ascontiguousarray(host).view(np.uint8).reshape(-1)),)
 
 
 def equal_host_arrays(a: Any, b: Any) -> bool:

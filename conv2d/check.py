@@ -32,7 +32,33 @@ def _cuda_reason() -> str | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
+def _backends(args: argparse.Namespace, parser: argparse.ArgumentParser | None) -> list[str] | None:
+    """The backends to check, or None after printing why the command cannot run: by default
+    both, cuda skipped where it cannot run; a list given must name known backends, each
+    of which must run here."""
+    def usage(message: str) -> None:
+        if parser is not None:
+            parser.error(message)  # exits 2
+        raise ValueError(message)
+
+    if args.backends is None:
+        reason = _cuda_reason()
+        if reason is not None:
+            print(f"conv2d check: the cuda backend is not checked here: {reason}")
+            return ["reference"]
+        return ["reference", "cuda"]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in DTYPES]
+    if not backends or unknown:
+        usage(f"--backends: expected a comma list of {', '.join(DTYPES)}, got {args.backends!r}")
+    reason = _cuda_reason() if "cuda" in backends else None
+    if reason is not None:
+        print(f"conv2d check: --backends names cuda, which cannot run here: {reason}")
+        return None
+    return list(dict.fromkeys(backends))
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     from conv2d.testing.golden import MODES, case_errors, golden_files, load_case, run_case
 
     files = golden_files(GOLDEN_DIR)
@@ -47,11 +73,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if wanted:
         files = [path for path in files if path.stem in wanted]
-    backends = [b for b in args.backends.split(",") if b]
-    reason = _cuda_reason() if "cuda" in backends else None
-    if reason is not None:
-        print(f"conv2d check: the cuda backend is not checked here: {reason}")
-        backends = [b for b in backends if b != "cuda"]
+    backends = _backends(args, parser)
+    if backends is None:
+        return 1
     rows, failures, start = [], 0, time.perf_counter()
     print("| spec | dtype | backend | worst error / tolerance | bitwise repeat | result |")
     print("| --- | --- | --- | ---: | --- | --- |")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Sequence
+
+from conv2d import __version__
 
 TASKS = {"digits": "an all-convolutional classifier of scikit-learn's digits (the main job)",
          "breakout": "DQN on MinAtar Breakout: act at batch 1, train at batch 32, same layers",
@@ -17,6 +20,7 @@ DEFAULTS = {"digits": dict(lr=3e-3, target=0.98, steps=None),
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conv2d", description="conv2d command line")
+    parser.add_argument("--version", action="version", version=f"conv2d {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="train a network with conv2d layers",
                        description="; ".join(f"{k}: {v}" for k, v in TASKS.items()))
@@ -38,21 +42,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--plot", metavar="PNG", help="write the training curves to this PNG file")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     c = sub.add_parser("check", help="run the shipped golden outputs on every backend here (exit 1 on failure)")
-    c.add_argument("--backends", default="reference,cuda", help="comma list (default: reference,cuda; cuda is "
-                   "skipped with the reason where it cannot run)")
+    c.add_argument("--backends", default=None, help="comma list of reference, cuda (default: both, cuda "
+                   "skipped with the reason where it cannot run; a backend named here that cannot run is an error)")
     c.add_argument("--specs", default="", help="comma list of golden spec names to run (default: all of them; "
                    "an unknown name is an error that lists the known ones)")
     args = parser.parse_args(argv)
     if args.command == "check":
         from conv2d import check
-        return check.run(args)
-    for k, v in DEFAULTS[args.task].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    for name in ("steps", "epochs", "batch_size"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')}: expected an int >= 1, got {value}")
+        return check.run(args, parser)
+    _check_demo_arguments(parser, args)
+    if args.backend == "cuda":
+        from conv2d.cuda.runtime import CudaUnavailableError, require_gpu
+
+        try:
+            require_gpu()
+        except CudaUnavailableError as e:
+            print(f"conv2d demo: --backend cuda: CudaUnavailableError: {e}", file=sys.stderr)
+            return 1
     if args.task == "digits":
         from conv2d.demos import digits
         return digits.run(args)
@@ -61,6 +67,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return breakout.run(args)
     from conv2d.demos import fit
     return fit.run(args)
+
+
+def _check_demo_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every demo option checked before any training (argparse usage errors, exit 2): a run
+    must not train for minutes and then fail on its output path."""
+    for k, v in DEFAULTS[args.task].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    for name in ("steps", "epochs", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected an int >= 1, got {value}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr: expected a finite number > 0, got {args.lr}")
+    if args.target is not None and not math.isfinite(args.target):
+        parser.error(f"--target: expected a finite number, got {args.target}")
+    if args.plot is not None:
+        import os
+
+        from conv2d.files import writable_target
+
+        try:
+            target = writable_target("--plot", args.plot)
+        except (TypeError, ValueError, FileNotFoundError) as e:
+            parser.error(str(e))
+        directory = target.parent if str(target.parent) else "."
+        if not os.access(directory, os.W_OK | os.X_OK):
+            parser.error(f"--plot: the directory {str(directory)!r} is not writable")
 
 
 if __name__ == "__main__":

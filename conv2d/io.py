@@ -20,14 +20,10 @@ NaN batch makes the running statistics NaN): what it writes, `load` reads.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import math
 import os
-import stat
-import tempfile
-import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -35,10 +31,12 @@ from typing import Any
 import numpy as np
 
 from conv2d.dtypes import storage_dtype
-from conv2d.layer import Conv2d
+from conv2d.files import atomic_write, readable_file, writable_target
+from conv2d.layer import Conv2d, layer_locks
 from conv2d.sequential import Sequential
 from conv2d.spec import CALL_FIELDS, DType, LayerSpec
 from conv2d.checks import check_finite
+from conv2d.state import state_layout
 
 FORMAT = "conv2d"
 SEQUENTIAL_FORMAT = "conv2d-sequential"
@@ -70,37 +68,15 @@ def _header_digest(header: dict) -> str:
     return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 
-def _new_file_mode(path: Path) -> int:
-    """The mode `open(path, "w")` would leave: the existing file's, else 0o666 less the umask."""
-    try:
-        return stat.S_IMODE(path.stat().st_mode)
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
-STALE_SECONDS = 600  # a temporary file of a save untouched this long was left by a killed one
-
-
-def _remove_stale_temporaries(directory: Path, name: str) -> None:
-    """Remove the temporary files that killed saves of `name` left behind (`.<name>.*.tmp`,
-    unchanged for STALE_SECONDS: a save in progress elsewhere keeps writing its own)."""
-    now = time.time()
-    for tmp in directory.glob(f".{glob.escape(name)}.*.tmp"):
-        try:
-            if now - tmp.stat().st_mtime > STALE_SECONDS:
-                tmp.unlink()
-        except OSError:  # gone meanwhile, or not ours to remove
-            pass
-
-
 def save(layer: Conv2d | Sequential, path: str | os.PathLike) -> None:
     """Write a layer's (or a Sequential's) specs and state to `path` (.npz), atomically: a
     failed write leaves any existing file as it was. Written through a temporary file in
     the same directory, synced, then renamed over the target (through a symbolic link,
-    the file it names); the file's mode is what `open` would give it. State with NaN or
-    infinite values is refused (ValueError naming the array), as `load` would refuse it."""
+    the file it names); the file's mode is what `open` would give it (conv2d.files). An existing
+    target that is not a regular file (a device, FIFO, directory) is refused. State with
+    NaN or infinite values is refused (ValueError naming the array), as `load` would
+    refuse it. The layers' locks are held while the state is read, so an optimizer step
+    in another thread is saved whole or not at all."""
     if isinstance(layer, Sequential):
         described = {"format": SEQUENTIAL_FORMAT, "specs": [item.spec.to_dict() for item in layer]}
     elif isinstance(layer, Conv2d):
@@ -109,12 +85,11 @@ def save(layer: Conv2d | Sequential, path: str | os.PathLike) -> None:
         raise TypeError(f"layer: expected a Conv2d or a Sequential, got {type(layer).__name__}")
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path: expected a str or os.PathLike, got {type(path).__name__}")
-    state = layer.state_dict()
+    with layer_locks(layer):  # one version of every layer's weights, not an optimizer step's half
+        state = layer.state_dict()
     for k, v in state.items():
         check_finite(f"save: state[{k!r}]", v)
-    target = Path(path)
-    if target.is_symlink():
-        target = target.resolve()
+    writable_target("save: path", path)  # before the work of packing the arrays
     header = {**described, "version": VERSION,
               "arrays": {k: {"dtype": _dtype_name(v.dtype), "shape": list(v.shape), "sha256": _digest(v)}
                          for k, v in state.items()}}
@@ -122,31 +97,7 @@ def save(layer: Conv2d | Sequential, path: str | os.PathLike) -> None:
     payload = {"header": np.frombuffer(json.dumps(header, sort_keys=True).encode(), dtype=np.uint8)}
     for k, v in state.items():
         payload[f"state.{k}"] = v.view(np.uint16) if _dtype_name(v.dtype) == "bfloat16" else v
-    mode = _new_file_mode(target)
-    directory = target.parent if str(target.parent) else Path(".")
-    _remove_stale_temporaries(directory, target.name)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **payload)
-            f.flush()
-            os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)  # the rename itself, on disk
-    finally:
-        os.close(dir_fd)
+    atomic_write("save: path", path, lambda f: np.savez(f, **payload))
 
 
 def _check_header(where: str, header: Any) -> tuple[list[LayerSpec] | LayerSpec, dict[str, tuple[np.dtype, tuple, str]]]:
@@ -155,7 +106,8 @@ def _check_header(where: str, header: Any) -> tuple[list[LayerSpec] | LayerSpec,
         got = header.get("format") if isinstance(header, dict) else type(header).__name__
         raise ValueError(f"{where}: not a conv2d file (header format {got!r})")
     version = header.get("version")
-    if version not in READABLE_VERSIONS:
+    # JSON's true and 1.0 compare equal to 1, the version that has no checksum.
+    if type(version) is not int or version not in READABLE_VERSIONS:
         raise ValueError(f"{where}: file format version {version!r}, this conv2d reads {list(READABLE_VERSIONS)}")
     if version >= 2 and header.get("header_sha256") != _header_digest(header):
         raise ValueError(f"{where}: header checksum mismatch (the header was edited or damaged)")
@@ -189,15 +141,29 @@ def _check_header(where: str, header: Any) -> tuple[list[LayerSpec] | LayerSpec,
         except ValueError as e:
             raise ValueError(f"{where}: array {name!r} in the header: {e}") from e
         arrays[str(name)] = (dt, tuple(shape), digest)
+    _check_declared(where, spec, arrays)
     return spec, arrays
+
+
+def _check_declared(where: str, spec: list[LayerSpec] | LayerSpec, arrays: dict[str, tuple]) -> None:
+    """The declared arrays must be exactly the spec's state layout (names, dtypes, shapes):
+    a header whose spec promises gigabytes over a few bytes of arrays is refused before
+    any layer is built from it."""
+    specs = spec if isinstance(spec, list) else [spec]
+    layout = {(f"{i}.{k}" if isinstance(spec, list) else k): v
+              for i, s in enumerate(specs) for k, v in state_layout(s).items()}
+    if set(layout) != set(arrays):
+        raise ValueError(f"{where}: the header lists arrays {sorted(arrays)}, its spec has {sorted(layout)}")
+    for name, (shape, dt) in layout.items():
+        got_dt, got_shape, _ = arrays[name]
+        if got_dt != dt or got_shape != tuple(shape):
+            raise ValueError(f"{where}: array {name!r}: the header declares {got_dt} {list(got_shape)}, its spec "
+                             f"needs {dt} {list(shape)}")
 
 
 def _read(path: Path) -> tuple[list[LayerSpec] | LayerSpec, dict[str, np.ndarray]]:
     where = f"load({str(path)!r})"
-    if not path.exists():
-        raise FileNotFoundError(f"{where}: no such file")
-    if not path.is_file():
-        raise ValueError(f"{where}: not a regular file (a directory, FIFO or device is not read)")
+    readable_file(where, path)
     try:
         with zipfile.ZipFile(path) as z:
             infos = {info.filename: info for info in z.infolist()}
@@ -218,9 +184,10 @@ def _read(path: Path) -> tuple[list[LayerSpec] | LayerSpec, dict[str, np.ndarray
                                  f"{sorted(n.removesuffix('.npy') for n in infos)}")
             for name, (dt, shape, _) in declared.items():
                 size = infos[f"state.{name}.npy"].file_size
-                if size > math.prod(shape) * dt.itemsize + NPY_HEADER_SLACK:
+                need = math.prod(shape) * dt.itemsize
+                if not need <= size <= need + NPY_HEADER_SLACK:
                     raise ValueError(f"{where}: array {name!r}: member of {size} bytes for a {dt} {list(shape)} "
-                                     f"array (refused before inflating it)")
+                                     f"array of {need} bytes (refused before inflating it)")
             state = {}
             for name, (dt, shape, digest) in declared.items():
                 with z.open(infos[f"state.{name}.npy"]) as f:

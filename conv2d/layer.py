@@ -4,13 +4,14 @@ gradients and the last forward's saved values."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from conv2d.arrays import equal_host_arrays, library, same_memory
+from conv2d.arrays import content_mark, equal_host_arrays, library, same_memory
 from conv2d.backend import Functions, make_functions
 from conv2d.spec import LayerSpec, Normalization
 from conv2d.state import RUNNING, check_arrays, grad_layout, initial_state, split_state, state_layout
@@ -46,6 +47,7 @@ class Conv2d:
         # The last forward: its saved values, its input, and the parameters' version then.
         self._saved: Any = None
         self._saved_input: Any = None
+        self._saved_mark: tuple = ()
         self._saved_version = -1
         self._version = 0
 
@@ -81,6 +83,7 @@ class Conv2d:
         with self._lock:
             y, saved = self._fn.forward(self._params, x, training, self._running)
             self._saved, self._saved_input, self._saved_version = saved, x, self._version
+            self._saved_mark = content_mark(x)
             return y
 
     # Backward ------------------------------------------------------------------------------
@@ -103,13 +106,19 @@ class Conv2d:
     def _is_last_input(self, x: Any) -> bool:
         last = self._saved_input
         if same_memory(x, last):
+            if content_mark(x) != self._saved_mark:
+                raise ValueError("x: changed in place since the last forward (its values, or a torch tensor's "
+                                 "version counter, differ from the forward's): the saved pre-activations and "
+                                 "statistics belong to the old values; call forward(x) again before backward")
             return True
         # Host arrays may be equal copies; device arrays must be the same memory.
         return library(x) in ("numpy", "torch") and not _on_device(x) and equal_host_arrays(x, last)
 
     def backward(self, x: Any, d_y: Any) -> None:
         """Accumulate the parameter gradients of the last forward; `x` is that forward's
-        input (the same array, or for host arrays an equal one)."""
+        input (the same array, or for host arrays an equal one), unchanged since: a change
+        in place is caught on host arrays (a CRC-32 of the bytes) and torch tensors (their
+        version counter), not on other libraries' device arrays."""
         with self._lock:
             saved = self._last_forward(x, check_x=True)
             self._fn.backward(self._params, saved, d_y, True, False, accumulate=self._grads)
@@ -252,6 +261,19 @@ class Conv2d:
         other.load_state_dict(self.state_dict())
         other.load_grad_dict(self.grad_dict())
         return other
+
+
+@contextlib.contextmanager
+def layer_locks(model: Any) -> Iterator[None]:
+    """Hold the locks of every layer of `model` (a Conv2d, a Sequential or a list of
+    Conv2d), taken in one global order (by id) so that two holders of overlapping sets
+    cannot deadlock: an optimizer step is then seen whole by evaluate, forward and save
+    in other threads."""
+    layers = [model] if isinstance(model, Conv2d) else list(getattr(model, "layers", model))
+    with contextlib.ExitStack() as stack:
+        for layer in sorted({id(layer): layer for layer in layers}.values(), key=id):
+            stack.enter_context(layer._lock)
+        yield
 
 
 def synchronize(layer: "Conv2d") -> None:

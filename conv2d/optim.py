@@ -36,7 +36,8 @@ from typing import Any, Iterable
 import numpy as np
 
 from conv2d.dtypes import compute_dtype, storage_dtype
-from conv2d.layer import Conv2d, synchronize
+from conv2d.layer import Conv2d, layer_locks, synchronize
+from conv2d.checks import check_finite
 from conv2d.state import state_layout
 
 ADAM_PRESETS = {
@@ -46,6 +47,9 @@ ADAM_PRESETS = {
     "torch_adamw": dict(rule="torch_w", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, eps_sqrt=0.0),
 }
 DECAYED = ("weights", "gamma")  # what rl_tools' weight decay applies to
+# The largest step count loaded: counted exactly in float64 (the bias corrections'
+# exponent) and far from int64's end, so that no step overflows the count.
+MAX_STEPS = 1 << 53
 
 
 def _layers(model: Any) -> list[Conv2d]:
@@ -75,6 +79,7 @@ class _Optimizer:
 
     def __init__(self, model: Any) -> None:
         self.layers = _layers(model)
+        _check_representable(self.hyper, {compute_dtype(layer.spec.dtype) for layer in self.layers})
         self.state: list[dict[str, dict[str, Any]]] = []
         self._steps: list[Any] = []  # per layer, the step count (one int64) on its backend
         self._prepared: list[dict] = []  # per layer, what its backend keeps between steps (CUDA: the launch)
@@ -114,10 +119,12 @@ class _Optimizer:
 
     def step(self) -> None:
         """Update every parameter from its layer's accumulated gradient, in place (one
-        launch a layer on the GPU, on the layer's current stream)."""
-        for layer, per, step, prepared in zip(self.layers, self.state, self._steps, self._prepared):
-            self._step(layer.functions, layer.parameters(), layer.gradients(), per, step, prepared)
-            layer.parameters_changed()
+        launch a layer on the GPU, on the layer's current stream), holding every layer's
+        lock (conv2d.layer.layer_locks): other threads' calls see all of a step or none."""
+        with layer_locks(self.layers):
+            for layer, per, step, prepared in zip(self.layers, self.state, self._steps, self._prepared):
+                self._step(layer.functions, layer.parameters(), layer.gradients(), per, step, prepared)
+                layer.parameters_changed()
 
     def _step(self, fn: Any, params: dict, grads: dict, buffers: dict, step: Any, prepared: dict) -> None:
         raise NotImplementedError
@@ -152,8 +159,8 @@ class _Optimizer:
             raise ValueError(f"state: expected a dict with keys ['arrays', 't'], got "
                              f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
         t = state["t"]
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise ValueError(f"state['t']: expected an int >= 0, got {t!r}")
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_STEPS:
+            raise ValueError(f"state['t']: expected an int in [0, 2**53], got {t!r}")
         mine = self._layout()
         arrays = state["arrays"]
         if not isinstance(arrays, dict) or set(arrays) != set(mine):
@@ -164,10 +171,27 @@ class _Optimizer:
             if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != dtype:
                 raise ValueError(f"state['arrays'][{k!r}]: expected a {dtype} array of shape {shape}, got "
                                  f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+            check_finite(f"state['arrays'][{k!r}]", a)
+            if k.endswith(".v") and (a < 0).any():
+                raise ValueError(f"state['arrays'][{k!r}]: a second moment must be >= 0, got min {a.min()}")
         for i, (layer, per, step) in enumerate(zip(self.layers, self.state, self._steps)):
             for name, buffers in per.items():
                 layer.functions.write(buffers, {k: arrays[f"{i}.{name}.{k}"] for k in buffers})
             layer.functions.write({"step": step}, {"step": np.array([t], np.int64)})
+
+
+def _check_representable(hyper: dict[str, Any], dtypes: set[np.dtype]) -> None:
+    """Every number of `hyper` must stay finite, and nonzero if it is, in each dtype the
+    updates compute in (lr=1e300 is infinite in float32 and would make every parameter NaN)."""
+    for name, value in hyper.items():
+        if not isinstance(value, float):
+            continue
+        for dt in dtypes:
+            with np.errstate(over="ignore", under="ignore"):
+                there = dt.type(value)
+            if not np.isfinite(there) or (value != 0 and there == 0):
+                raise ValueError(f"{name}: {value!r} is {there!r} in {dt}, the dtype the update computes in; "
+                                 f"expected a value finite and nonzero there")
 
 
 class Adam(_Optimizer):

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from conv2d.layer import Conv2d, check_step_optimizer, restoring, step_snapshot, training_step
+from conv2d.layer import Conv2d, check_step_optimizer, layer_locks, restoring, step_snapshot, training_step
 from conv2d.spec import LayerSpec
 
 
@@ -75,19 +75,42 @@ class Sequential:
     def backend(self) -> str:
         return self.layers[0].backend
 
+    def call_specs(self, x: Any) -> list[LayerSpec]:
+        """Each layer's spec for a call on input `x`, checked through the whole stack (x's
+        shape, dtype and layout for the first layer; for each further one, that the shape
+        the one before gives fits its kernel) before any layer runs: a stack that would
+        fail at layer 3 fails here, with layers 0-2's running statistics unchanged."""
+        call = self.layers[0].functions.check_input("x", x)
+        calls = [call]
+        for i, layer in enumerate(self.layers[1:], 1):
+            n, h, w, _ = call.output_shape
+            try:
+                call = layer.spec.at(n, h, w)
+            except ValueError as e:
+                raise ValueError(f"x: layers[{i}] cannot take the (N, H, W, C) = {(n, h, w, call.out_channels)} "
+                                 f"that layers[{i - 1}] gives for x of shape {tuple(x.shape)}: {e}") from e
+            calls.append(call)
+        return calls
+
     def evaluate(self, x: Any) -> Any:
-        """Inference through every layer (running statistics; nothing kept)."""
-        for layer in self.layers:
-            x = layer.evaluate(x)
+        """Inference through every layer (running statistics; nothing kept), holding every
+        layer's lock, so that an optimizer step in another thread is seen whole or not at all."""
+        self.call_specs(x)
+        with layer_locks(self):
+            for layer in self.layers:
+                x = layer.evaluate(x)
         return x
 
     def forward(self, x: Any, training: bool = True) -> Any:
-        """Through every layer, keeping what backward needs."""
+        """Through every layer, keeping what backward needs. The input is checked against
+        the whole stack first (`call_specs`): a refused x changes no layer."""
+        self.call_specs(x)
         inputs = []
-        for layer in self.layers:
-            inputs.append(x)
-            x = layer.forward(x, training)
-        self._inputs = inputs
+        with layer_locks(self):
+            for layer in self.layers:
+                inputs.append(x)
+                x = layer.forward(x, training)
+            self._inputs = inputs
         return x
 
     def _backward(self, x: Any, d_y: Any, want_input: bool) -> Any:
@@ -106,11 +129,13 @@ class Sequential:
 
     def backward(self, x: Any, d_y: Any) -> None:
         """Accumulate every layer's parameter gradients; `x` is the last forward's input."""
-        self._backward(x, d_y, want_input=False)
+        with layer_locks(self):
+            self._backward(x, d_y, want_input=False)
 
     def backward_full(self, x: Any, d_y: Any) -> Any:
         """Accumulate every layer's parameter gradients and return d_x."""
-        return self._backward(x, d_y, want_input=True)
+        with layer_locks(self):
+            return self._backward(x, d_y, want_input=True)
 
     def capture(self, x: Any, d_y: Any, optimizer: Any = None) -> Any:
         """CUDA backend: capture forward(training=True) + backward_full through every layer
@@ -139,13 +164,9 @@ class Sequential:
         """The first layer's capture of `run`, every further layer held at the shape the
         one before gives it."""
         first = self.layers[0]
-        call = first.functions.check_input("x", inputs["x"])
-        followers = []
-        for layer in self.layers[1:]:
-            n, h, w, _ = call.output_shape
-            call = layer.spec.at(n, h, w)
-            followers.append((layer.functions, call))
-        return first.functions.capture(run, inputs, snapshot, tuple(followers))
+        calls = self.call_specs(inputs["x"])
+        followers = tuple((layer.functions, call) for layer, call in zip(self.layers[1:], calls[1:]))
+        return first.functions.capture(run, inputs, snapshot, followers)
 
     def _snapshot(self) -> Any:
         """A function that puts every layer's state, and the inputs the stack keeps, back

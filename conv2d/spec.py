@@ -16,6 +16,8 @@ IntPair = Union[int, tuple[int, int]]
 # No array of a layer or of one call may hold more values (2**36: 256 GiB of float32,
 # more than any one GPU or host here holds).
 MAX_ELEMENTS = 1 << 36
+# No size, kernel, stride or padding may exceed the GPU kernels' int32 indices.
+MAX_DIM = (1 << 31) - 1
 
 # The fields that describe a call's input rather than the layer: the same layer runs
 # at any of them, and a layer saved at one loads at another.
@@ -115,6 +117,11 @@ class LayerSpec:
         for name, pair, least in (("kernel", kernel, 1), ("stride", stride, 1), ("padding", padding, 0)):
             if min(pair) < least:
                 raise ValueError(f"LayerSpec.{name}: expected every entry >= {least}, got {getattr(self, name)!r}")
+            if max(pair) > MAX_DIM:
+                raise ValueError(f"LayerSpec.{name}: expected every entry <= 2**31 - 1, got {getattr(self, name)!r}")
+        for name in ("batch_size", "in_height", "in_width", "in_channels", "out_channels"):
+            if (getattr(self, name) or 0) > MAX_DIM:
+                raise ValueError(f"LayerSpec.{name}: expected an int <= 2**31 - 1, got {getattr(self, name)!r}")
         for axis, size, k, p in (("height", self.in_height, kernel[0], padding[0]),
                                  ("width", self.in_width, kernel[1], padding[1])):
             if k > size + 2 * p:
@@ -152,11 +159,15 @@ class LayerSpec:
         # allocation (int64 sizes, and no array of one call over MAX_ELEMENTS values).
         kh, kw = self.kernel
         ph, pw = self.padding
+        sh, sw = self.stride
         arrays = {"weights (out_channels*kernel*in_channels)": (self.out_channels * kh * kw * self.in_channels,
                                                                  "out_channels"),
                   "the padded input of one sample": ((self.in_height + 2 * ph) * (self.in_width + 2 * pw)
                                                      * self.in_channels, "padding"),
-                  "the output of one sample": (self.out_height * self.out_width * self.out_channels, "out_channels")}
+                  "the output of one sample": (self.out_height * self.out_width * self.out_channels, "out_channels"),
+                  # a window view steps stride rows (or columns) of the padded input at a time
+                  "one stride's step through the padded input": (max(sh * (self.in_width + 2 * pw), sw)
+                                                                 * self.in_channels, "stride")}
         if self.batch_size is not None:
             arrays["the planned batch's output"] = (self.batch_size * self.out_height * self.out_width
                                                    * self.out_channels, "batch_size")

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from conv2d.demos.common import require_matplotlib
+from conv2d.demos.common import require_matplotlib, save_figure
 from conv2d.dtypes import storage_dtype
 from conv2d.host import as_numpy
 from conv2d.optim import Adam
@@ -53,7 +53,7 @@ def _environment(seed: int):
     try:
         from minatar import Environment
     except ImportError as e:
-        raise SystemExit(f"the breakout demo needs MinAtar: pip install 'conv2d[demo]' ({e})")
+        raise SystemExit(f"the breakout demo needs MinAtar: pip install 'conv2d[breakout]' ({e})")
     env = Environment("breakout", sticky_action_prob=0.0)
     env.seed(seed)
     return env
@@ -227,5 +227,4 @@ def _plot(ends: list[int], returns: list[float], path: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -1,8 +1,13 @@
-"""What the demo tasks share: the optional plotting dependency and the loss of a classifier."""
+"""What the demo tasks share: the optional plotting dependency, writing a figure, and
+the loss of a classifier."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+
+from conv2d.files import atomic_write
 
 
 def require_matplotlib() -> None:
@@ -11,6 +16,18 @@ def require_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError as e:
         raise SystemExit(f"--plot needs matplotlib: pip install 'conv2d[plot]' ({e})")
+
+
+def save_figure(fig: Any, path: str) -> None:
+    """Write a matplotlib figure as a PNG the way `conv2d.save` writes files: through a
+    temporary file renamed into place, so an interrupted write (SIGINT) leaves no
+    truncated image; then close the figure."""
+    import matplotlib.pyplot as plt
+
+    try:
+        atomic_write("--plot", path, lambda f: fig.savefig(f, format="png", dpi=100))
+    finally:
+        plt.close(fig)
 
 
 def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:

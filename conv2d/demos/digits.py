@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from conv2d.demos.common import require_matplotlib, softmax_cross_entropy
+from conv2d.demos.common import require_matplotlib, save_figure, softmax_cross_entropy
 from conv2d.dtypes import storage_dtype
 from conv2d.host import as_numpy
 from conv2d.optim import Adam
@@ -126,5 +126,4 @@ def _plot(history: dict[str, list[float]], path: str) -> None:
     b.legend()
     fig.suptitle("conv2d demo: digits")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

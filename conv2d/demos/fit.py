@@ -13,7 +13,7 @@ from conv2d.dtypes import UNIT_ROUNDOFF, storage_dtype
 from conv2d.host import as_numpy
 from conv2d.layer import Conv2d
 from conv2d.spec import LayerSpec
-from conv2d.demos.common import require_matplotlib
+from conv2d.demos.common import require_matplotlib, save_figure
 
 DEMO_SPEC = dict(batch_size=32, in_height=16, in_width=16, in_channels=3, out_channels=8,
                  kernel=3, stride=1, padding=1, activation="tanh")
@@ -96,5 +96,4 @@ def _plot(losses: list[float], path: str) -> None:
     ax.set_title("conv2d demo: student vs teacher")
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

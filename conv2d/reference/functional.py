@@ -30,7 +30,7 @@ from conv2d.arrays import host_array, to_library
 from conv2d.checks import check_numpy, check_shape_dtype, input_spec
 from conv2d.dtypes import compute_dtype, storage_dtype
 from conv2d.reference import conv, norm, optim
-from conv2d.spec import LayerSpec, Normalization
+from conv2d.spec import CALL_FIELDS, LayerSpec, Normalization
 from conv2d.state import RUNNING, grad_layout, state_layout
 
 
@@ -133,6 +133,11 @@ def forward(spec: LayerSpec, params: Mapping[str, Any], x: Any, training: bool,
     st = storage_dtype(spec.dtype)
     need_running = spec.normalization is Normalization.BATCH_NORM and not training
     params, running = check_params(spec, params, running, need_running)
+    if running is not None and training and spec.normalization is Normalization.BATCH_NORM:
+        for k, a in running.items():  # both, before either is updated
+            if not a.flags.writeable:
+                raise ValueError(f"running[{k!r}]: a training batch-norm forward updates it in place, got a "
+                                 f"read-only array")
     pre = _pre_activations(call, params, x)
     z = pre.astype(compute_dtype(spec.dtype), copy=False)
     mean = inv_std = None
@@ -174,6 +179,10 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
     if not isinstance(saved, Saved):
         raise TypeError(f"saved: expected the Saved of a reference forward, got {type(saved).__name__}")
     call = saved.spec
+    other = call.differences(spec, ignore=CALL_FIELDS)
+    if other:
+        raise ValueError("saved: made by a forward of another layer (" + "; ".join(
+            f"{k}: saved's {a!r}, this layer's {b!r}" for k, (a, b) in other.items()) + ")")
     st, ct = storage_dtype(spec.dtype), compute_dtype(spec.dtype)
     d_y, lib = host_array("d_y", d_y)
     check_numpy("d_y", d_y, call.output_shape, st)

@@ -115,12 +115,14 @@ class Conv2dNormActivation(nn.Module):
         # call takes any N, H, W: the kernel's own size fits) and its dtype follows the
         # tensors at each call.
         kh, kw = _pair("kernel", kernel_size)
+        dtype = dtype or torch.get_default_dtype()
+        # The spec's dtype is the module's at construction, so that eps is checked where
+        # it computes (a float64 module takes eps=1e-300, as nn.BatchNorm2d does).
         self._spec = LayerSpec(batch_size=None, in_height=kh, in_width=kw, in_channels=in_channels,
                                out_channels=out_channels, kernel=kernel_size, stride=stride, padding=padding,
                                activation=activation, normalization=norm, bn_momentum=momentum, bn_epsilon=eps,
-                               bias=bias, bn_running_var=running_var, dtype="float32")
+                               bias=bias, bn_running_var=running_var, dtype=_DTYPES.get(dtype, DType.FLOAT32))
         s = self._spec
-        dtype = dtype or torch.get_default_dtype()
         self.add_module("0", _ConvParameters(in_channels, out_channels, s.kernel, bias, device, dtype))
         if s.normalization is not Normalization.NONE:
             self.add_module("1", _NormParameters(out_channels, s.normalization is Normalization.BATCH_NORM, device,
@@ -209,8 +211,6 @@ class Conv2dNormActivation(nn.Module):
             gamma, beta = norm.weight, norm.bias
             if self._spec.normalization is Normalization.BATCH_NORM:
                 running_mean, running_var = norm.running_mean, norm.running_var
-                if self.training:
-                    norm.num_batches_tracked.add_(1)
         if type(x) is torch.Tensor and type(weight) in _PLAIN and not torch.compiler.is_compiling():
             if weight.is_contiguous(memory_format=torch.channels_last):
                 params, running, ptrs = self._views.get(weight, bias, gamma, beta, running_mean, running_var)
@@ -232,6 +232,8 @@ class Conv2dNormActivation(nn.Module):
             w = weight.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
             y = ops.Conv2dFunction.apply(x.permute(0, 2, 3, 1) if nchw else x, w, bias, gamma, beta, running_mean,
                                          running_var, self.training, self._spec.batch_statistics(self.training), key)
+        if running_mean is not None and self.training:
+            norm.num_batches_tracked.add_(1)  # after the call: a refused input counts no batch
         return y.permute(0, 3, 1, 2) if nchw else y
 
 

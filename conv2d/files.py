@@ -1,0 +1,120 @@
+"""Writing and opening files safely: the one place that knows how this library writes
+a file (npz, HDF5, PNG) and which paths it reads.
+
+`atomic_write(path, write)` writes through a temporary file in the target's directory,
+synced, then renamed over the target: a failed or interrupted write (an exception, a
+SIGINT) leaves any existing file as it was and never a truncated one. The target may be
+a symbolic link (the file it names is replaced) but never an existing non-regular file
+(a device, FIFO, socket or directory: replacing `/dev/null` with a regular file is not a
+save). The new file's mode is what `open(path, "w")` would give it: the existing file's,
+else 0o666 less the process umask, which the kernel applies at creation (the umask is
+never changed, so saves in several threads cannot race on it).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import secrets
+import stat
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+STALE_SECONDS = 600  # a temporary file of a save untouched this long was left by a killed one
+
+
+def writable_target(where: str, path: str | os.PathLike) -> Path:
+    """The file a save to `path` replaces (through a symbolic link, the file it names),
+    after checking that it is absent or a regular file and that its directory exists."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{where}: expected a str or os.PathLike path, got {type(path).__name__}")
+    target = Path(path)
+    if target.is_symlink():
+        target = target.resolve()
+    try:
+        mode = target.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        raise ValueError(f"{where}: {str(path)!r} is {kind}; a save replaces only a regular file or writes a new one")
+    directory = target.parent if str(target.parent) else Path(".")
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{where}: the directory {str(directory)!r} of {str(path)!r} does not exist")
+    return target
+
+
+def _remove_stale_temporaries(directory: Path, name: str) -> None:
+    """Remove the temporary files that killed saves of `name` left behind (`.<name>.*.tmp`,
+    unchanged for STALE_SECONDS: a save in progress elsewhere keeps writing its own)."""
+    now = time.time()
+    for tmp in directory.glob(f".{glob.escape(name)}.*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > STALE_SECONDS:
+                tmp.unlink()
+        except OSError:  # gone meanwhile, or not ours to remove
+            pass
+
+
+def _create_temporary(directory: Path, name: str) -> tuple[int, Path]:
+    """A new file `.<name>.<random>.tmp` in `directory`, created with mode 0o666 so that
+    the kernel applies the umask (mkstemp's 0o600 would need the umask read back)."""
+    for _ in range(100):
+        tmp = directory / f".{name}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name for {name!r} in {str(directory)!r}")
+
+
+def atomic_write(where: str, path: str | os.PathLike, write: Callable[[Any], None]) -> Path:
+    """Call `write(f)` with a binary file object open on a temporary file, then put that
+    file in place of `path` (see the module docstring). Returns the path written."""
+    target = writable_target(where, path)
+    directory = target.parent if str(target.parent) else Path(".")
+    try:
+        keep_mode: int | None = stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        keep_mode = None
+    _remove_stale_temporaries(directory, target.name)
+    fd, tmp = _create_temporary(directory, target.name)
+    try:
+        with os.fdopen(fd, "w+b") as f:  # readable too: h5py reads back what it writes
+            write(f)
+            f.flush()
+            if keep_mode is not None:
+                os.fchmod(f.fileno(), keep_mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return target
+    try:
+        os.fsync(dir_fd)  # the rename itself, on disk
+    finally:
+        os.close(dir_fd)
+    return target
+
+
+def readable_file(where: str, path: str | os.PathLike) -> Path:
+    """`path` as a Path after checking that it names an existing regular file (through
+    symbolic links): a FIFO would block a reader and a device is no file of ours."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{where}: expected a str or os.PathLike path, got {type(path).__name__}")
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{where}: no such file {str(path)!r}")
+    if not p.is_file():
+        raise ValueError(f"{where}: {str(path)!r} is not a regular file (a directory, FIFO or device is not read)")
+    return p
