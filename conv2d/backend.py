@@ -41,11 +41,36 @@ _REGISTRY: dict[str, str | Callable[..., Functions]] = {
 }
 
 
-def register_backend(name: str, factory: str | Callable[..., Functions]) -> None:
-    """Add a backend: `factory(spec, **options)` returns an object with `Functions`' methods."""
+# The keyword options each backend's `Functions` takes besides the spec (tests check them
+# against the signatures): what `Conv2dNormActivation(backend_options=...)` may pass, known
+# without importing the backend (the CUDA one imports numba).
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "reference": (),
+    "cuda": ("stream", "allow_tf32", "autotune", "convolutions", "max_shapes", "fast_paths", "kernels",
+             "launch_config", "evaluate_kernel"),
+}
+
+
+def check_options(name: str, options: Any) -> dict[str, Any]:
+    """`options` as a dict after checking that backend `name` takes every key."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError(f"backend_options: expected a dict of the {name} backend's options, got "
+                        f"{type(options).__name__}")
+    unknown = sorted(set(options) - set(OPTIONS[name]))
+    if unknown:
+        raise TypeError(f"backend_options: the {name} backend takes {list(OPTIONS[name])}; unknown {unknown}")
+    return dict(options)
+
+
+def register_backend(name: str, factory: str | Callable[..., Functions], options: tuple[str, ...] = ()) -> None:
+    """Add a backend: `factory(spec, **options)` returns an object with `Functions`' methods;
+    `options` names the keyword options it takes."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_backend: name must be a non-empty str, got {name!r}")
     _REGISTRY[name] = factory
+    OPTIONS[name] = tuple(options)
 
 
 def backend_names() -> list[str]:

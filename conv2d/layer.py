@@ -73,6 +73,7 @@ class Conv2d:
     # Forward -------------------------------------------------------------------------------
     def evaluate(self, x: Any) -> Any:
         """Inference: batch norm uses the running statistics; nothing is kept."""
+        _no_autograd("x", x)
         with self._lock:
             return self._fn.evaluate(self._params, x, self._running)
 
@@ -80,6 +81,7 @@ class Conv2d:
         """Keeps what backward needs (input, pre-activations, norm statistics). Training
         batch norm uses the batch's statistics and updates the running ones; otherwise as
         `evaluate`."""
+        _no_autograd("x", x)
         with self._lock:
             y, saved = self._fn.forward(self._params, x, training, self._running)
             self._saved, self._saved_input, self._saved_version = saved, x, self._version
@@ -119,18 +121,21 @@ class Conv2d:
         input (the same array, or for host arrays an equal one), unchanged since: a change
         in place is caught on host arrays (a CRC-32 of the bytes) and torch tensors (their
         version counter), not on other libraries' device arrays."""
+        _no_autograd("d_y", d_y)
         with self._lock:
             saved = self._last_forward(x, check_x=True)
             self._fn.backward(self._params, saved, d_y, True, False, accumulate=self._grads)
 
     def backward_full(self, x: Any, d_y: Any) -> Any:
         """Accumulate the parameter gradients and return d_x (N, H, W, C)."""
+        _no_autograd("d_y", d_y)
         with self._lock:
             saved = self._last_forward(x, check_x=True)
             return self._fn.backward(self._params, saved, d_y, True, True, accumulate=self._grads)[1]
 
     def backward_input(self, d_y: Any) -> Any:
         """Return d_x (N, H, W, C) only; parameter gradients are left as they are."""
+        _no_autograd("d_y", d_y)
         with self._lock:
             saved = self._last_forward()
             return self._fn.backward(self._params, saved, d_y, False, True)[1]
@@ -318,6 +323,15 @@ def step_snapshot(model_snapshot: Callable[[], Callable[[], None]], optimizer: A
     def snapshot() -> Callable[[], None]:
         return restoring([model_snapshot()] + ([optimizer.snapshot()] if optimizer is not None else []))
     return snapshot
+
+
+def _no_autograd(name: str, a: Any) -> None:
+    """A torch tensor that requires grad is refused: this layer's results carry no autograd
+    history, so the caller's gradient path would end here without a word."""
+    if getattr(a, "requires_grad", False):
+        raise TypeError(f"{name}: a torch tensor that requires grad; conv2d.Conv2d records no autograd history, so "
+                        f"its result would cut your gradient path. Use conv2d.torch.Conv2dNormActivation (an "
+                        f"nn.Module with autograd), or pass {name}.detach()")
 
 
 def _on_device(a: Any) -> bool:

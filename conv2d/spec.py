@@ -179,11 +179,18 @@ class LayerSpec:
     # Derived sizes -------------------------------------------------------------------------
     @property
     def out_height(self) -> int:
-        return (self.in_height + 2 * self.padding[0] - self.kernel[0]) // self.stride[0] + 1
+        return self.output_size(self.in_height, self.in_width)[0]
 
     @property
     def out_width(self) -> int:
-        return (self.in_width + 2 * self.padding[1] - self.kernel[1]) // self.stride[1] + 1
+        return self.output_size(self.in_height, self.in_width)[1]
+
+    def output_size(self, in_height: Any, in_width: Any) -> tuple[Any, Any]:
+        """(OH, OW) for an input of height and width `in_height`, `in_width`: arithmetic
+        only (no validation, no hashing), so that it also computes with torch's symbolic
+        sizes under torch.compile."""
+        return ((in_height + 2 * self.padding[0] - self.kernel[0]) // self.stride[0] + 1,
+                (in_width + 2 * self.padding[1] - self.kernel[1]) // self.stride[1] + 1)
 
     def _planned_batch(self) -> int:
         if self.batch_size is None:

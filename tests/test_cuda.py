@@ -1071,3 +1071,54 @@ def test_conv2d_check_passes_on_both_backends_with_bitwise_repeats_on_the_gpu(ca
     assert main(["check", "--specs", "relu_bn_nonsquare,gelu_original_ln"]) == 0
     out = capsys.readouterr().out
     assert "| cuda |" in out and "| NO |" not in out and "bitwise repeats on the GPU" in out.splitlines()[-1]
+
+
+# The PyTorch module under torch.compile on the GPU (the PyTorch-integration issue) -------------
+@pytest.mark.parametrize("mode, dynamic", [("default", None), ("default", True), ("default", False),
+                                           ("reduce-overhead", None)])
+def test_the_compiled_module_on_the_gpu_takes_changing_batch_sizes_bitwise_as_eager(mode, dynamic):
+    torch = pytest.importorskip("torch")
+    from conv2d.torch import Conv2dNormActivation
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = Conv2dNormActivation(5, 6, 3, padding=1, norm="batch_norm", activation="relu", device="cuda",
+                                 cuda_graphs=False)
+    compiled = copy.deepcopy(eager)
+    run = torch.compile(compiled, mode=mode, dynamic=dynamic)
+    for n in (32, 30, 1, 64, 32, 30):
+        x = torch.randn(n, 5, 12, 12, device="cuda").contiguous(memory_format=torch.channels_last)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ye, yc = eager(xe), run(xc)
+        ye.square().sum().backward()
+        yc.square().sum().backward()
+        torch.cuda.synchronize()
+        assert torch.equal(yc, ye), n
+        assert torch.equal(xc.grad, xe.grad), n
+    for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
+        assert torch.equal(b.grad, a.grad), name
+    assert torch.equal(compiled.norm.running_var, eager.norm.running_var)
+
+
+def test_a_double_backward_on_the_gpu_raises():
+    torch = pytest.importorskip("torch")
+    from conv2d.torch import Conv2dNormActivation
+
+    m = Conv2dNormActivation(5, 6, 3, padding=1, norm="batch_norm", activation="tanh", device="cuda")
+    x = torch.randn(4, 5, 8, 8, device="cuda").contiguous(memory_format=torch.channels_last).requires_grad_()
+    g, = torch.autograd.grad(m(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
+def test_an_exported_module_on_the_gpu_runs_after_the_module_is_gone():
+    torch = pytest.importorskip("torch")
+    from conv2d.torch import Conv2dNormActivation
+
+    m = Conv2dNormActivation(5, 6, 3, padding=1, norm="batch_norm", activation="relu", device="cuda").eval()
+    x = torch.randn(4, 5, 8, 8, device="cuda").contiguous(memory_format=torch.channels_last)
+    want = m(x)
+    ep = torch.export.export(m, (x,))
+    del m
+    gc.collect()
+    assert torch.equal(ep.module()(x), want)

@@ -29,11 +29,10 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from conv2d.arrays import to_library
 from conv2d.torch.graphs import CallGraphs
-from conv2d.torch.ops import _detached as detached, _params as param_dict, in_capture, saved_outputs
+from conv2d.torch.ops import _detached as detached, _params as param_dict, first_order_only, in_capture, saved_outputs
 
 
 class Call(NamedTuple):
@@ -138,11 +137,11 @@ class EagerConv2d(torch.autograd.Function):
         return y.detach()
 
     @staticmethod
-    @once_differentiable  # its gradients have no graph: a double backward raises, not returns zeros
+    @first_order_only  # a double backward raises, never returns gradients without a graph
     def backward(ctx: Any, d_y: Tensor) -> tuple:
         # Raises if x or a parameter was changed in place after the forward, or if the
         # graph was freed by an earlier backward.
-        x, _, _, _, pre, mean, inv_std = ctx.saved_tensors
+        x, weight, _, _, pre, mean, inv_std = ctx.saved_tensors
         call, needs = ctx.call, ctx.needs_input_grad
         want_input, want_params = needs[0], any(needs[1:5])
         # Autograd may hand d_y in another layout; the backends read C-contiguous (NHWC).
@@ -160,8 +159,13 @@ class EagerConv2d(torch.autograd.Function):
             d_x = d_x.permute(0, 3, 1, 2)  # (N, C, H, W) in channels_last memory, as x
         if not grads:  # parameters not wanted
             return d_x, None, None, None, None, None, None, None
-        return (d_x, grads["weights"].permute(0, 3, 1, 2), grads.get("bias"), grads.get("gamma"), grads.get("beta"),
-                None, None, None)
+        d_w = grads["weights"].permute(0, 3, 1, 2)
+        if d_w.stride() != weight.stride():
+            # They differ only in the strides of size-1 dimensions (one input channel, a
+            # 1x1 kernel), which torch's channels_last leaves free: the parameter's own, as
+            # DDP's gradient buckets expect (no copy: the same memory order).
+            d_w = d_w.as_strided(weight.size(), weight.stride())
+        return d_x, d_w, grads.get("bias"), grads.get("gamma"), grads.get("beta"), None, None, None
 
 
 def _graph_backward(call: Call, kept: tuple, d_y: Tensor, want_params: bool, want_input: bool) -> tuple:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from conv2d.activations import Activation
-from conv2d.backend import make_functions
+from conv2d.backend import check_options, make_functions
 from conv2d.spec import DType, LayerSpec, Normalization, _pair
 from conv2d.torch import eager, ops
 from conv2d.torch.graphs import COUNTS, CallGraphs
@@ -52,27 +52,45 @@ class _ConvParameters(nn.Module):
                 self.bias.uniform_(-bound, bound)
 
 
-class _NormParameters(nn.Module):
-    """gamma and beta (and for batch norm the running statistics), as nn.BatchNorm2d /
-    nn.GroupNorm name them, in the compute dtype: float64 in a float64 module, else float32
-    (they stay float32 when the module moves to a 16-bit dtype: the type policy keeps norm
-    parameters and statistics in float32, as PyTorch's autocast does)."""
+def _keep_float32(fn: Any) -> Any:
+    """`fn` for Module._apply, keeping a norm's tensors float32 when the module moves to a
+    16-bit dtype (the type policy keeps norm parameters and statistics in float32, as
+    PyTorch's autocast does)."""
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        out = fn(t)
+        return out.float() if out.dtype in _SIXTEEN else out
+    return apply
 
-    def __init__(self, channels: int, running: bool, device: Any, dtype: Any) -> None:
+
+class _NormParameters(nn.Module):
+    """Layer norm's gamma and beta, as nn.GroupNorm(1, C) names them ("weight", "bias"), in
+    the compute dtype: float64 in a float64 module, else float32."""
+
+    def __init__(self, channels: int, device: Any, dtype: Any) -> None:
         super().__init__()
         dtype = torch.float32 if dtype in _SIXTEEN else dtype
         self.weight = nn.Parameter(torch.ones(channels, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(channels, device=device, dtype=dtype))
-        if running:
-            self.register_buffer("running_mean", torch.zeros(channels, device=device, dtype=dtype))
-            self.register_buffer("running_var", torch.ones(channels, device=device, dtype=dtype))
-            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
 
     def _apply(self, fn: Any, recurse: bool = True) -> "_NormParameters":
-        def keep_float32(t: torch.Tensor) -> torch.Tensor:
-            out = fn(t)
-            return out.float() if out.dtype in _SIXTEEN else out
-        return super()._apply(keep_float32, recurse)
+        return super()._apply(_keep_float32(fn), recurse)
+
+
+class _BatchNormParameters(nn.BatchNorm2d):
+    """Batch norm's parameters and statistics: an nn.BatchNorm2d (its state_dict, its own
+    train/eval flag, `momentum` and `eps` that may be changed after construction, and what
+    code that looks for BatchNorm2d layers does to them), kept in float32 in a 16-bit
+    module; the module computes with them, this one's forward is never called."""
+
+    def __init__(self, channels: int, eps: float, momentum: float, device: Any, dtype: Any) -> None:
+        super().__init__(channels, eps=eps, momentum=momentum, device=device,
+                         dtype=torch.float32 if dtype in _SIXTEEN else dtype)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "_BatchNormParameters":
+        return super()._apply(_keep_float32(fn), recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the batch norm of a Conv2dNormActivation holds its parameters; call the module")
 
 
 class Conv2dNormActivation(nn.Module):
@@ -96,15 +114,33 @@ class Conv2dNormActivation(nn.Module):
     keeps no device tensors from step to step repeats its addresses). Not used inside a
     caller's capture (`torch.cuda.graph`: the launches go into it) nor under
     torch.compile. `graph_counts()` says how the calls went.
-    `backend_options` go to the CUDA backend (e.g. `allow_tf32`).
+    `backend_options`: a dict of the CUDA backend's options (e.g. {"allow_tf32": True};
+    `conv2d.backend.OPTIONS["cuda"]` lists them), checked here; CPU tensors run on the
+    reference backend, which has none.
+
+    `nn.Conv2d`'s and `nn.BatchNorm2d`'s other arguments are taken by name and refused
+    unless they have their default (NotImplementedError naming the option): `dilation`,
+    `groups`, `padding_mode`, padding "same"/"valid", `affine`, `track_running_stats`,
+    `momentum=None`. Any other keyword is a TypeError, as in PyTorch.
+
+    Works in eager mode, under torch.compile (any batch size, `dynamic` or not, and
+    mode="reduce-overhead") and torch.export (the exported program runs wherever conv2d is
+    installed). Refused with a message: torch.jit.trace/script (use torch.compile or
+    torch.export) and torch.func.vmap (batch the input instead). No second derivative: a
+    double backward raises PyTorch's once_differentiable error.
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int] = 3,
-                 stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] = 0, bias: bool = True,
-                 norm: str = "batch_norm", activation: str = "relu", eps: float = 1e-5, momentum: float = 0.1,
+                 stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] = 0,
+                 dilation: int | tuple[int, int] = 1, groups: int = 1, bias: bool = True,
+                 padding_mode: str = "zeros", norm: str = "batch_norm", activation: str = "relu", eps: float = 1e-5,
+                 momentum: float | None = 0.1, affine: bool = True, track_running_stats: bool = True,
                  running_var: str = "unbiased", device: Any = None, dtype: Any = None, layout: str = "NCHW",
-                 cuda_graphs: bool = True, **backend_options: Any) -> None:
+                 cuda_graphs: bool = True, backend_options: dict[str, Any] | None = None) -> None:
         super().__init__()
+        _refuse_unimplemented(padding=padding, dilation=dilation, groups=groups, padding_mode=padding_mode,
+                              affine=affine, track_running_stats=track_running_stats, momentum=momentum)
+        backend_options = check_options("cuda", backend_options)
         if layout not in ("NCHW", "NHWC"):
             raise ValueError(f"layout: expected 'NCHW' or 'NHWC', got {layout!r}")
         if not isinstance(cuda_graphs, bool):
@@ -125,8 +161,9 @@ class Conv2dNormActivation(nn.Module):
         s = self._spec
         self.add_module("0", _ConvParameters(in_channels, out_channels, s.kernel, bias, device, dtype))
         if s.normalization is not Normalization.NONE:
-            self.add_module("1", _NormParameters(out_channels, s.normalization is Normalization.BATCH_NORM, device,
-                                                     dtype))
+            self.add_module("1", _BatchNormParameters(out_channels, eps, momentum, device, dtype)
+                            if s.normalization is Normalization.BATCH_NORM else
+                            _NormParameters(out_channels, device, dtype))
         self.backend_options = backend_options
         self._functions: dict = {}
         self._views = eager.ParameterViews()
@@ -136,7 +173,7 @@ class Conv2dNormActivation(nn.Module):
         return self._modules["0"]
 
     @property
-    def norm(self) -> _NormParameters | None:
+    def norm(self) -> nn.Module | None:
         return self._modules.get("1")
 
     @property
@@ -181,27 +218,77 @@ class Conv2dNormActivation(nn.Module):
         if x.dtype not in _DTYPES:
             raise TypeError(f"x: expected a float64, float32, float16 or bfloat16 tensor, got {x.dtype}")
         spec = self._spec_for(_DTYPES[x.dtype])
+        options = self.backend_options if backend == "cuda" else {}
         if backend == "cuda":
-            fn, graphs = _cuda_functions(spec, x.device, self.backend_options)
+            fn, graphs = _cuda_functions(spec, x.device, options)
         else:
             fn, graphs = make_functions(backend, spec), None
-        op_key = f"{id(self)}:{backend}:{x.dtype}:{x.device}"
+        # The ops (torch.compile, export) name functions by what they compute, made from
+        # the name in any process; options that are no JSON value name these in this one.
+        op_key = ops.key_for(backend, spec, x.device, options)
+        if op_key.startswith("object:"):
+            ops.register(op_key, fn)
         found = self._functions[key] = (fn, op_key, graphs)
-        ops.register(op_key, fn)
         return found
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _follow_norm(self) -> bool:
+        """Whether the norm trains (batch norm: its own flag, as nn.BatchNorm2d's, which
+        code that sets BatchNorm2d layers to eval changes), after taking in a momentum or
+        eps changed on it since the last call (they are the spec's: new functions)."""
+        norm = self.norm
+        if isinstance(norm, nn.SyncBatchNorm):
+            raise NotImplementedError("SyncBatchNorm.convert_sync_batchnorm replaced this module's batch norm: "
+                                      "conv2d computes batch statistics per process and does not synchronise "
+                                      "them; keep the per-process statistics (convert the model without this "
+                                      "module), or use torch.nn.Conv2d + SyncBatchNorm for this layer")
+        if not isinstance(norm, nn.BatchNorm2d):
+            return self.training
+        if (norm.eps, norm.momentum) != (self._spec.bn_epsilon, self._spec.bn_momentum):
+            _refuse_unimplemented(momentum=norm.momentum)
+            self._spec = dataclasses.replace(self._spec, bn_epsilon=norm.eps, bn_momentum=norm.momentum)
+            self._functions = {}
+            self._views = eager.ParameterViews()
+        return norm.training
+
+    def __prepare_scriptable__(self) -> "Conv2dNormActivation":
+        raise TypeError("torch.jit.script: Conv2dNormActivation calls Python functions TorchScript cannot compile; "
+                        "use torch.compile, or torch.export for a program to deploy")
+
+    def _check_input(self, x: Any) -> None:
+        """x's rank, dtype, device and channels, in the module's layout's words."""
+        layout = self.layout
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise ValueError(f"x: expected a 4-D ({', '.join(self.layout)}) tensor, got "
-                             f"{getattr(x, 'shape', type(x).__name__)}")
+            raise ValueError(f"x: expected a 4-D ({', '.join(layout)}) tensor, got "
+                             f"{'a ' + type(x).__name__ + ' of shape ' + str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__}")
         weight = self.conv.weight
         if x.dtype != weight.dtype or x.device != weight.device:
             raise TypeError(f"x: expected a {weight.dtype} tensor on {weight.device} (the module's), got "
                             f"{x.dtype} on {x.device}")
+        c = self._spec.in_channels
+        channels = x.shape[1] if layout == "NCHW" else x.shape[3]
+        if channels != c:
+            want = f"(N, {c}, H, W)" if layout == "NCHW" else f"(N, H, W, {c})"
+            raise ValueError(f"x: expected a {layout} tensor of shape {want} ({c} input channels), got a "
+                             f"{type(x).__name__} of shape {tuple(x.shape)}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_tracing():
+            raise TypeError("torch.jit.trace: Conv2dNormActivation's calls are not traceable into TorchScript; "
+                            "use torch.compile, or torch.export for a program to deploy")
+        self._check_input(x)
+        training = self._follow_norm()
+        weight = self.conv.weight
         fn, key, graphs = self._functions_for(x)
         nchw = self.layout == "NCHW"
         if nchw:
-            if not x.is_contiguous(memory_format=torch.channels_last):
+            try:
+                channels_last = x.is_contiguous(memory_format=torch.channels_last)
+            except RuntimeError as e:  # functorch's BatchedTensor: "NYI: querying is_contiguous inside of vmap"
+                if "vmap" in str(e):
+                    raise NotImplementedError("torch.func.vmap: Conv2dNormActivation takes a batch already (its "
+                                              "first dimension); call it on the stacked inputs instead") from e
+                raise
+            if not channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)  # one copy, differentiable
         else:
             x = x.contiguous()  # x itself when contiguous
@@ -223,18 +310,43 @@ class Conv2dNormActivation(nn.Module):
             if graphs is not None and (not self.cuda_graphs or torch.cuda.is_current_stream_capturing()):
                 graphs = None  # in a capture of the caller's, the launches go into it (ops.in_capture)
             y = eager.EagerConv2d.apply(x, weight, bias, gamma, beta, running_mean, running_var,
-                                        eager.Call(fn, params, running, self.training, nchw,
-                                                   self._spec.batch_statistics(self.training), graphs,
+                                        eager.Call(fn, params, running, training, nchw,
+                                                   self._spec.batch_statistics(training), graphs,
                                                    ptrs if graphs is not None else ()))
         else:
             # torch.compile and tensor subclasses: the registered ops, with the permutes in
             # the graph.
             w = weight.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
             y = ops.Conv2dFunction.apply(x.permute(0, 2, 3, 1) if nchw else x, w, bias, gamma, beta, running_mean,
-                                         running_var, self.training, self._spec.batch_statistics(self.training), key)
-        if running_mean is not None and self.training:
+                                         running_var, training, self._spec.batch_statistics(training), key)
+        if running_mean is not None and training:
             norm.num_batches_tracked.add_(1)  # after the call: a refused input counts no batch
         return y.permute(0, 3, 1, 2) if nchw else y
+
+
+_DEFAULTS = {"dilation": 1, "groups": 1, "padding_mode": "zeros", "affine": True, "track_running_stats": True}
+
+
+def _refuse_unimplemented(**given: Any) -> None:
+    """nn.Conv2d's and nn.BatchNorm2d's arguments that this library does not implement yet:
+    refused unless they have their defaults, never ignored."""
+    for name, value in given.items():
+        if name == "padding":
+            if isinstance(value, str):
+                raise NotImplementedError(f"padding={value!r}: conv2d takes an int or an (h, w) pair of symmetric "
+                                          f"zero padding so far (give the pair that {value!r} means for your "
+                                          f"kernel, or use torch.nn.Conv2d)")
+            continue
+        if name == "momentum":
+            if value is None:
+                raise NotImplementedError("momentum=None (a cumulative average): conv2d's batch norm takes a "
+                                          "momentum in [0, 1] so far")
+            continue
+        default = _DEFAULTS[name]
+        same = value == default or (name == "dilation" and value in ((1, 1), [1, 1]))
+        if not same or isinstance(value, bool) != isinstance(default, bool):
+            raise NotImplementedError(f"{name}={value!r}: conv2d implements only {name}={default!r} so far; use "
+                                      f"torch.nn.Conv2d/BatchNorm2d for this layer")
 
 
 @torch.compiler.disable

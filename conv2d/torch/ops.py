@@ -9,7 +9,16 @@ return tensors only, so the forward returns its saved values as tensors (the
 pre-activations, and the norm's mean and inv_std) and the backward takes them back. The
 forward updates batch norm's running statistics in place, as PyTorch's BatchNorm2d does
 (its schema declares the two mutated arguments, so compile functionalises them).
-A backend's `Functions` object is named by a string key (`register`); the ops look it up.
+A backend's `Functions` object is named by a string key that says what it computes
+(`key_for`: the backend, the spec, the device and the backend's options, as JSON), and the
+ops make the functions of a key on first use (`functions`): a graph that torch.export or
+torch.compile recorded runs in any process where conv2d is installed, whatever became of
+the module that traced it. Options that are no JSON value (a stream object, a stand-in for
+cuDNN) cannot be named: their functions are registered under a key of this process only.
+
+Neither op has a second derivative: a backward asked to build a graph (create_graph=True)
+returns gradients that raise PyTorch's once_differentiable error when differentiated
+(`first_order_only`), instead of gradients silently without a graph.
 
 They are defined with `torch.library.Library` and autograd lives in a
 `torch.autograd.Function` outside them, rather than `torch.library.custom_op` with
@@ -27,28 +36,98 @@ memory, and a capture after eager steps on another stream fails on the node's st
 from __future__ import annotations
 
 import contextlib
-import weakref
-from typing import Any, Optional
+import functools
+import json
+import threading
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from conv2d.arrays import to_library
-from conv2d.spec import Normalization
+from conv2d.backend import make_functions
+from conv2d.spec import LayerSpec, Normalization
 
-_FUNCTIONS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+_FUNCTIONS: dict[str, Any] = {}  # key -> a backend's Functions; one per distinct layer, device and options
+_LOCK = threading.Lock()
+
+
+def key_for(backend: str, spec: LayerSpec, device: torch.device, options: dict[str, Any]) -> str:
+    """The ops' name for the functions of `backend` over `spec` on `device` with `options`:
+    JSON that `functions` can make them from, or, for options that are no JSON value, a
+    name of this process ("object:" and a serial number) under which they must be
+    registered (`register`)."""
+    try:
+        return json.dumps({"backend": backend, "spec": spec.to_dict(), "device": str(device), "options": options},
+                          sort_keys=True)
+    except TypeError:
+        with _LOCK:
+            return f"object:{len(_FUNCTIONS)}:{backend}:{device}"
 
 
 def register(key: str, functions: Any) -> None:
     """Name `functions` (a backend's Functions for one spec) `key` for the ops."""
-    _FUNCTIONS[key] = functions
+    with _LOCK:
+        _FUNCTIONS[key] = functions
 
 
-def _lookup(key: str) -> Any:
+@torch.compiler.disable
+def functions(key: str) -> Any:
+    """The functions named `key`, made from it on first use (outside torch.compile's
+    tracing: the CUDA functions compile numba kernels)."""
     fn = _FUNCTIONS.get(key)
-    if fn is None:
-        raise RuntimeError(f"conv2d ops: no functions registered as {key!r} (the module that made them is gone)")
-    return fn
+    if fn is not None:
+        return fn
+    if key.startswith("object:"):
+        raise RuntimeError(f"conv2d ops: no functions registered as {key!r}: a module whose backend_options are "
+                           f"no JSON values (a stream object, a stand-in for cuDNN) runs only in the process "
+                           f"that made it")
+    made = json.loads(key)
+    spec = LayerSpec.from_dict(made["spec"])
+    if made["backend"] == "cuda":
+        with torch.cuda.device(torch.device(made["device"])):
+            fn = make_functions("cuda", spec, **made["options"])
+    else:
+        fn = make_functions(made["backend"], spec, **made["options"])
+    with _LOCK:
+        return _FUNCTIONS.setdefault(key, fn)
+
+
+
+class _SecondDerivative(torch.autograd.Function):
+    """The gradients a first-order backward returned, passed through; differentiating them
+    raises, as PyTorch's once_differentiable does."""
+
+    @staticmethod
+    def forward(ctx: Any, count: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+        return tuple(t.clone() for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple:
+        raise RuntimeError("trying to differentiate twice a function that was marked with @once_differentiable: "
+                           "conv2d.torch.Conv2dNormActivation has no second derivative (a gradient penalty or a "
+                           "meta-gradient through it needs torch.nn.Conv2d there)")
+
+
+def first_order_only(backward: Callable[..., tuple]) -> Callable[..., tuple]:
+    """Decorate an autograd Function's backward: run it without building a graph, and when
+    autograd was asked for one (create_graph=True) and the function's inputs require grad,
+    return gradients whose own backward raises (torch's once_differentiable only does so
+    when the incoming gradients require grad: for d(loss)/dx of a sum they do not, and the
+    second derivative through the saved x and weights came back silently zero)."""
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: Tensor) -> tuple:
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outputs
+        sources = [t for t in (*ctx.saved_tensors, *grads) if isinstance(t, Tensor) and t.requires_grad]
+        if not sources:
+            return outputs
+        tensors = [o for o in outputs if isinstance(o, Tensor)]
+        guarded = iter(_SecondDerivative.apply(len(tensors), *tensors, *sources))
+        return tuple(next(guarded) if isinstance(o, Tensor) else o for o in outputs)
+    return wrapper
 
 
 def in_capture(fn: Any, x: Tensor) -> contextlib.AbstractContextManager:
@@ -106,7 +185,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[T
     """(y, pre-activations, mean, inv_std) of x (N, H, W, C); mean and inv_std are empty
     without a norm. Batch norm in training updates running_mean and running_var in place;
     otherwise it normalises with them."""
-    fn = _lookup(key)
+    fn = functions(key)
     x, weight, bias, gamma, beta = _detached(x, weight, bias, gamma, beta)
     running = None if running_mean is None else {"running_mean": running_mean, "running_var": running_var}
     params = _params(weight, bias, gamma, beta)
@@ -128,21 +207,25 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[T
 
 
 def _forward_fake(x, weight, bias, gamma, beta, running_mean, running_var, training, key):
-    fn = _lookup(key)
-    call = fn.spec.at(*x.shape[:3])
-    groups = _groups(fn, x.shape[0])
-    if x.is_cuda:
-        groups = max(groups, 1)
+    # Shapes by arithmetic on x's (possibly symbolic) sizes: no spec is made or hashed.
+    spec = LayerSpec.from_dict(json.loads(key)["spec"]) if not key.startswith("object:") else functions(key).spec
+    n, h, w = x.shape[:3]
+    oh, ow = spec.output_size(h, w)
+    norm = spec.normalization
+    groups = spec.out_channels if norm is Normalization.BATCH_NORM else n if norm is Normalization.LAYER_NORM else 0
+    if x.is_cuda and norm is Normalization.NONE:
+        groups = 1
     stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return (x.new_empty(call.output_shape), x.new_empty(call.output_shape),
-            x.new_empty((groups,), dtype=stats_dtype), x.new_empty((groups,), dtype=stats_dtype))
+    shape = (n, oh, ow, spec.out_channels)
+    return (x.new_empty(shape), x.new_empty(shape), x.new_empty((groups,), dtype=stats_dtype),
+            x.new_empty((groups,), dtype=stats_dtype))
 
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor],
              pre: Tensor, mean: Tensor, inv_std: Tensor, d_y: Tensor, batch_stats: bool, want_input: bool,
              want_params: bool, key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d_x, d_weight, d_bias, d_gamma, d_beta), fresh; empty where not wanted or absent."""
-    fn = _lookup(key)
+    fn = functions(key)
     x, weight, bias, gamma, beta, d_y = _detached(x, weight, bias, gamma, beta, d_y)
     with in_capture(fn, x):
         saved = fn.saved(x, pre, mean, inv_std, batch_stats)
@@ -185,6 +268,7 @@ class Conv2dFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only
     def backward(ctx: Any, d_y: Tensor) -> tuple:
         x, weight, bias, gamma, beta, pre, mean, inv_std = ctx.saved_tensors
         want_input = ctx.needs_input_grad[0]

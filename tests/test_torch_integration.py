@@ -1,0 +1,272 @@
+"""The PyTorch module without surprises: every nn.Conv2d/BatchNorm2d argument honoured or
+refused, no second derivative returned silently, torch.compile over changing batch sizes,
+torch.export, TorchScript and vmap refused with a message, errors in the caller's layout,
+gradients with their parameters' strides, SyncBatchNorm refused loudly, and a whole
+model swapped in one call (CPU, float64, against PyTorch's own modules)."""
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (the test extra brings it)")
+from torch import nn  # noqa: E402
+
+from conftest import make_layer, random_inputs  # noqa: E402
+from conv2d import Conv2d, LayerSpec  # noqa: E402
+from conv2d.torch import Conv2dNormActivation, reference_sequential, swap, unswap  # noqa: E402
+
+F64 = torch.float64
+
+
+def nchw(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, dtype=F64, generator=g).contiguous(memory_format=torch.channels_last)
+
+
+def module(norm="batch_norm", activation="tanh", **kw):
+    torch.manual_seed(0)
+    return Conv2dNormActivation(3, 4, 3, padding=1, norm=norm, activation=activation, dtype=F64, **kw)
+
+
+# 1. Every argument honoured or refused ----------------------------------------------------------
+@pytest.mark.parametrize("option", [dict(groups=3), dict(dilation=2), dict(dilation=(1, 2)),
+                                    dict(padding_mode="reflect"), dict(padding="same"), dict(padding="valid"),
+                                    dict(affine=False), dict(track_running_stats=False), dict(momentum=None)])
+def test_a_pytorch_option_not_implemented_is_refused_naming_it(option):
+    name = next(iter(option))
+    with pytest.raises(NotImplementedError, match=rf"^{name}="):
+        Conv2dNormActivation(3, 3, 3, **option)
+
+
+@pytest.mark.parametrize("option", [dict(groups=1), dict(dilation=1), dict(dilation=(1, 1)),
+                                    dict(padding_mode="zeros"), dict(affine=True), dict(track_running_stats=True)])
+def test_pytorchs_defaults_of_those_options_are_accepted(option):
+    Conv2dNormActivation(3, 3, 3, **option)
+
+
+def test_an_unknown_keyword_is_a_type_error_as_in_pytorch():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'kernal_size'"):
+        Conv2dNormActivation(3, 3, kernal_size=3)
+
+
+def test_backend_options_are_checked_against_the_backends_options():
+    with pytest.raises(TypeError, match=r"backend_options: the cuda backend takes .*unknown \['allow_tf33'\]"):
+        Conv2dNormActivation(3, 3, 3, backend_options={"allow_tf33": True})
+    with pytest.raises(TypeError, match="backend_options: expected a dict"):
+        Conv2dNormActivation(3, 3, 3, backend_options=["allow_tf32"])
+    assert Conv2dNormActivation(3, 3, 3, backend_options={"allow_tf32": True}).backend_options == {"allow_tf32": True}
+
+
+def test_the_declared_backend_options_are_the_cuda_functions_keywords():
+    import inspect
+
+    pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (the test extra brings it)")
+    from conv2d.backend import OPTIONS
+    from conv2d.cuda.functional import Functions
+
+    params = list(inspect.signature(Functions.__init__).parameters)[2:]  # self, spec
+    assert tuple(params) == OPTIONS["cuda"]
+
+
+# 2. Double backward raises ----------------------------------------------------------------------
+@pytest.mark.parametrize("compiled_ops", [False, True])
+def test_a_double_backward_raises_pytorchs_once_differentiable_error(compiled_ops, monkeypatch):
+    m = module()
+    if compiled_ops:  # the registered ops' path, as torch.compile and tensor subclasses take it
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    x = nchw(2, 3, 5, 5).requires_grad_()
+    g, = torch.autograd.grad(m(x).sum(), x, create_graph=True)
+    assert g.grad_fn is not None
+    with pytest.raises(RuntimeError, match="trying to differentiate twice a function that was marked with "
+                                           "@once_differentiable"):
+        g.sum().backward()
+
+
+def test_gradgradcheck_fails_with_the_error_not_a_jacobian_mismatch():
+    m = module()
+    x = nchw(2, 3, 5, 5).requires_grad_()
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        torch.autograd.gradgradcheck(lambda t: m(t), (x,))
+
+
+def test_first_order_gradients_are_unchanged_when_a_graph_is_asked_for():
+    m = module()
+    x = nchw(2, 3, 5, 5).requires_grad_()
+    plain, = torch.autograd.grad(m(x).sum(), x)
+    graphed, = torch.autograd.grad(m(x).sum(), x, create_graph=True)
+    torch.testing.assert_close(graphed.detach(), plain, rtol=0, atol=0)
+
+
+# 3. The NumPy-level Conv2d does not cut a gradient path silently --------------------------------
+@pytest.mark.parametrize("call", ["forward", "evaluate"])
+def test_the_numpy_layer_refuses_a_tensor_that_requires_grad(call):
+    spec = LayerSpec(batch_size=2, in_height=5, in_width=5, in_channels=3, out_channels=4, kernel=3,
+                     dtype="float64")
+    layer = make_layer(spec)
+    x = torch.from_numpy(random_inputs(spec)[0]).requires_grad_()
+    with pytest.raises(TypeError, match="a torch tensor that requires grad; .*conv2d.torch.Conv2dNormActivation"):
+        getattr(layer, call)(x)
+    getattr(layer, call)(x.detach())
+
+
+# 4. torch.compile with changing batch sizes ------------------------------------------------------
+@pytest.mark.parametrize("dynamic", [None, True, False])
+def test_a_compiled_module_takes_changing_batch_sizes_with_eager_values_and_gradients(dynamic):
+    torch._dynamo.reset()
+    eager_m = module()
+    compiled_m = copy.deepcopy(eager_m)
+    run = torch.compile(compiled_m, dynamic=dynamic)
+    for n in (32, 30, 1, 64):
+        x = nchw(n, 3, 6, 6, seed=n)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ye, yc = eager_m(xe), run(xc)
+        torch.testing.assert_close(yc, ye, rtol=0, atol=0)
+        ye.square().sum().backward()
+        yc.square().sum().backward()
+        torch.testing.assert_close(xc.grad, xe.grad, rtol=0, atol=0)
+    for (name, a), (_, b) in zip(eager_m.named_parameters(), compiled_m.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(compiled_m.norm.running_mean, eager_m.norm.running_mean, rtol=0, atol=0)
+
+
+# 5. torch.export runs in the process, whatever became of the module ----------------------------
+def test_an_exported_program_runs_after_the_module_is_gone():
+    import gc
+
+    m = module().eval()
+    x = nchw(2, 3, 6, 6)
+    want = m(x)
+    ep = torch.export.export(m, (x,))
+    del m
+    gc.collect()
+    torch.testing.assert_close(ep.module()(x), want, rtol=0, atol=0)
+
+
+def test_the_ops_make_their_functions_from_the_key_alone():
+    from conv2d.torch import ops
+
+    m = module()
+    fn, key, _ = m._functions_for(nchw(1, 3, 6, 6))
+    ops._FUNCTIONS.pop(key, None)
+    made = ops.functions(key)
+    assert made.spec == fn.spec and made is ops.functions(key)
+
+
+@pytest.mark.parametrize("how", ["trace", "script"])
+def test_torchscript_is_refused_naming_compile_and_export(how):
+    m = module()
+    with pytest.raises(TypeError, match=f"torch.jit.{how}: .*torch.compile, or torch.export"):
+        torch.jit.trace(m, (nchw(1, 3, 5, 5),)) if how == "trace" else torch.jit.script(m)
+
+
+# 6. vmap refused with a message -----------------------------------------------------------------
+def test_vmap_is_refused_with_a_message():
+    with pytest.raises(NotImplementedError, match="torch.func.vmap: .*call it on the stacked inputs"):
+        torch.func.vmap(module())(torch.randn(2, 2, 3, 5, 5, dtype=F64))
+
+
+# 8. Errors in the caller's layout and type --------------------------------------------------------
+@pytest.mark.parametrize("layout, shape, want", [("NCHW", (2, 4, 5, 5), r"expected a NCHW tensor of shape \(N, 3, H, W\)"),
+                                                 ("NHWC", (2, 5, 5, 4), r"expected a NHWC tensor of shape \(N, H, W, 3\)")])
+def test_a_wrong_channel_count_is_named_in_the_modules_layout(layout, shape, want):
+    m = module(layout=layout)
+    with pytest.raises(ValueError, match=want + r" \(3 input channels\), got a Tensor of shape " + str(shape)
+                       .replace("(", r"\(").replace(")", r"\)")):
+        m(torch.zeros(shape, dtype=F64))
+
+
+# 9. Gradients with the parameter's strides; SyncBatchNorm ----------------------------------------
+@pytest.mark.parametrize("in_channels, kernel", [(1, 3), (3, 1), (1, 1), (3, 3)])
+def test_the_weight_gradient_has_the_weights_strides(in_channels, kernel):
+    m = Conv2dNormActivation(in_channels, 4, kernel, dtype=F64)
+    m(nchw(2, in_channels, 5, 5)).sum().backward()
+    assert m.conv.weight.grad.stride() == m.conv.weight.stride()
+    ref = reference_sequential(m)
+    ref(nchw(2, in_channels, 5, 5)).sum().backward()
+    torch.testing.assert_close(m.conv.weight.grad, ref[0].weight.grad)
+
+
+def test_convert_sync_batchnorm_is_refused_loudly_at_the_first_call():
+    m = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(module()))
+    assert isinstance(m[0].norm, nn.SyncBatchNorm)
+    with pytest.raises(NotImplementedError, match="SyncBatchNorm.convert_sync_batchnorm replaced"):
+        m(nchw(2, 3, 5, 5))
+
+
+def test_the_batch_norms_own_train_flag_and_momentum_are_followed_as_batchnorm2ds():
+    m = module()
+    ref = reference_sequential(m)
+    for net in (m, ref):
+        for child in net.modules():
+            if isinstance(child, nn.BatchNorm2d):
+                child.eval()  # the "freeze batch norm" idiom
+                child.momentum = 0.5
+    x = nchw(4, 3, 5, 5)
+    torch.testing.assert_close(m(x), ref(x))
+    for child in (m, ref):
+        child.train()
+    for _ in range(2):
+        torch.testing.assert_close(m(x), ref(x))
+    torch.testing.assert_close(m.norm.running_mean, ref[1].running_mean)
+
+
+# 10. swap and unswap -----------------------------------------------------------------------------
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.GroupNorm(1, 8), nn.GELU()),
+                         nn.Conv2d(8, 8, 1), nn.Tanh(), nn.Conv2d(8, 4, 1, groups=2), nn.SiLU(),
+                         nn.Flatten(), nn.Linear(4 * 6 * 6, 10)).double()
+
+
+def test_swap_converts_every_run_and_computes_what_the_model_did():
+    model = _model()
+    x = nchw(4, 3, 6, 6)
+    model.train()
+    model(x)
+    model.eval()
+    want = model(x)
+    swapped = swap(copy.deepcopy(model))
+    kinds = [type(m).__name__ for m in swapped.modules()]
+    assert kinds.count("Conv2dNormActivation") == 3 and kinds.count("Conv2d") == 1  # groups=2 stays
+    torch.testing.assert_close(swapped(x), want)
+    model.train()
+    swapped.train()
+    torch.testing.assert_close(swapped(x), model(x))
+
+
+def test_checkpoints_load_either_way_between_a_model_and_its_swap():
+    model = _model()
+    swapped = swap(copy.deepcopy(model))
+    assert sorted(swapped.state_dict()) == sorted(model.state_dict())
+    other = _model()
+    for p in other.parameters():
+        p.data.add_(1)
+    swapped.load_state_dict(other.state_dict())
+    model.load_state_dict(swapped.state_dict())
+    for k, v in other.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, msg=k)
+
+
+def test_unswap_gives_back_pytorchs_modules_with_the_trained_values():
+    model = swap(_model())
+    x = nchw(4, 3, 6, 6)
+    model(x).sum().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.1 * p.grad)
+    model.eval()
+    want = model(x)
+    state = model.state_dict()
+    unswap(model)
+    assert not any(isinstance(m, Conv2dNormActivation) for m in model.modules())
+    assert sorted(model.state_dict()) == sorted(state)
+    torch.testing.assert_close(model(x), want)
+
+
+def test_the_numpy_layer_still_takes_a_detached_tensor():
+    spec = LayerSpec(batch_size=2, in_height=5, in_width=5, in_channels=3, out_channels=4, kernel=3, dtype="float64")
+    layer = Conv2d(spec)
+    y = layer.evaluate(torch.zeros(2, 5, 5, 3, dtype=F64))
+    assert isinstance(y, torch.Tensor) and np.isfinite(y.numpy()).all()
