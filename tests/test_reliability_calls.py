@@ -176,14 +176,14 @@ def test_a_stack_that_refuses_the_input_at_a_later_layer_changes_no_running_stat
 
 
 # 8. The optimizer step holds the layers' locks -------------------------------------------------
-def test_evaluate_in_another_thread_never_sees_half_an_optimizer_step():
+def _stepping_model():
+    """(a two-layer stack with gradients, an SGD over it, its input), the optimizer's
+    update of the first layer slowed, so that another thread would meet a half-done step."""
     specs = [SPEC, dataclasses.replace(SPEC, in_channels=4)]
     model = Sequential([make_layer(s, seed=i) for i, s in enumerate(specs)])
     x, _ = random_inputs(SPEC)
     y = model.forward(x)
     model.backward(x, np.ones_like(y))
-    opt = SGD(model, lr=0.5)
-    outputs, states, stop = [], [], threading.Event()
     original = model[0].parameters_changed
 
     def slow_changed():
@@ -191,6 +191,12 @@ def test_evaluate_in_another_thread_never_sees_half_an_optimizer_step():
         threading.Event().wait(0.002)  # widen the window between the two layers' updates
 
     model[0].parameters_changed = slow_changed
+    return model, SGD(model, lr=0.5), x
+
+
+def test_evaluate_in_another_thread_never_sees_half_an_optimizer_step():
+    model, opt, x = _stepping_model()
+    outputs, states, stop = [], [], threading.Event()
 
     def stepper():
         for _ in range(20):
@@ -209,7 +215,7 @@ def test_evaluate_in_another_thread_never_sees_half_an_optimizer_step():
         t.start()
     for t in threads:
         t.join()
-    reference = Sequential([Conv2d(s) for s in specs])
+    reference = Sequential([Conv2d(layer.spec) for layer in model])
     wants = []
     for state in states:
         reference.load_state_dict(state)
@@ -219,20 +225,8 @@ def test_evaluate_in_another_thread_never_sees_half_an_optimizer_step():
 
 
 def test_save_in_another_thread_writes_whole_optimizer_steps(tmp_path):
-    specs = [SPEC, dataclasses.replace(SPEC, in_channels=4)]
-    model = Sequential([make_layer(s, seed=i) for i, s in enumerate(specs)])
-    x, _ = random_inputs(SPEC)
-    y = model.forward(x)
-    model.backward(x, np.ones_like(y))
-    opt = SGD(model, lr=0.5)
+    model, opt, _ = _stepping_model()
     states, stop = [model.state_dict()], threading.Event()
-    original = model[0].parameters_changed
-
-    def slow_changed():
-        original()
-        threading.Event().wait(0.002)  # widen the window between the two layers' updates
-
-    model[0].parameters_changed = slow_changed
 
     def stepper():
         while not stop.is_set():
