@@ -10,27 +10,93 @@ the functions read them in place and write only what the docstrings say.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
 from conv2d.spec import LayerSpec
 
 
+@runtime_checkable
 class Functions(Protocol):
+    """Every function a backend provides, with these names and parameters (tests check
+    both backends against it, `tests/test_backend_contract.py`): what a third backend
+    implements. Arrays are the backend's own (NumPy on the reference; device arrays, or
+    any __cuda_array_interface__/DLPack object, on CUDA)."""
+
     name: str
     spec: LayerSpec
 
+    def check_input(self, name: str, x: Any) -> LayerSpec:
+        """The call's spec for input `x` (N, H, W, C), after every check `forward` makes."""
+        ...
+
     def forward(self, params: Mapping[str, Any], x: Any, training: bool,
-                running: Mapping[str, Any] | None = None) -> tuple[Any, Any]: ...
-    def evaluate(self, params: Mapping[str, Any], x: Any, running: Mapping[str, Any] | None = None) -> Any: ...
+                running: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
+        """(y (N, OH, OW, OC), saved); training batch norm updates `running` in place."""
+        ...
+
+    def evaluate(self, params: Mapping[str, Any], x: Any, running: Mapping[str, Any] | None = None) -> Any:
+        """forward(training=False)'s y, keeping nothing."""
+        ...
+
+    def saved(self, x: Any, pre: Any, mean: Any, inv_std: Any, batch_stats: bool) -> Any:
+        """A `saved` made of a forward's saved values that the caller kept."""
+        ...
+
     def backward(self, params: Mapping[str, Any], saved: Any, d_y: Any, want_params: bool = True,
-                 want_input: bool = True, accumulate: Mapping[str, Any] | None = None) -> tuple[Any, Any]: ...
-    def pre_activations(self, saved: Any) -> np.ndarray: ...
-    def from_host(self, values: Mapping[str, np.ndarray]) -> dict[str, Any]: ...
-    def write(self, arrays: Mapping[str, Any], values: Mapping[str, np.ndarray]) -> None: ...
-    def read(self, arrays: Mapping[str, Any]) -> dict[str, np.ndarray]: ...
-    def zero(self, arrays: Mapping[str, Any]) -> None: ...
+                 want_input: bool = True, accumulate: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
+        """(grads, d_x) of the forward that gave `saved`; fresh, or added into `accumulate`."""
+        ...
+
+    def pre_activations(self, saved: Any) -> np.ndarray:
+        """The saved pre-activations (N, OH, OW, OC), read-only on the host."""
+        ...
+
+    def adam_step(self, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
+                  step: Any, h: dict, prepared: dict) -> None:
+        """One Adam step of a layer's parameters (conv2d.optim), in place; `step` the count."""
+        ...
+
+    def sgd_step(self, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
+                 step: Any, h: dict, prepared: dict) -> None:
+        """One SGD step of a layer's parameters (conv2d.optim), in place."""
+        ...
+
+    def from_host(self, values: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """The backend's own copies of host arrays."""
+        ...
+
+    def write(self, arrays: Mapping[str, Any], values: Mapping[str, np.ndarray]) -> None:
+        """Copy host `values` into the backend's `arrays`, key by key."""
+        ...
+
+    def read(self, arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Host copies of the backend's `arrays`."""
+        ...
+
+    def zero(self, arrays: Mapping[str, Any]) -> None:
+        """Set the backend's `arrays` to zero."""
+        ...
+
+
+@runtime_checkable
+class Preallocating(Functions, Protocol):
+    """The CUDA backend's extension that `conv2d.torch` asks for: outputs and saved values
+    written into arrays the caller allocated (torch's allocator, a CUDA graph's pool), so
+    that a call allocates nothing of its own."""
+
+    def forward(self, params: Mapping[str, Any], x: Any, training: bool, running: Mapping[str, Any] | None = None,
+                saved_out: Mapping[str, Any] | None = None, y_out: Any = None) -> tuple[Any, Any]:
+        """As Functions.forward; `saved_out` ("pre", "mean", "inv_std") and `y_out` receive
+        the saved values and y."""
+        ...
+
+    def backward(self, params: Mapping[str, Any], saved: Any, d_y: Any, want_params: bool = True,
+                 want_input: bool = True, accumulate: Mapping[str, Any] | None = None,
+                 grads_out: Mapping[str, Any] | None = None, d_x_out: Any = None) -> tuple[Any, Any]:
+        """As Functions.backward; `grads_out` and `d_x_out` receive the gradients."""
+        ...
 
 
 # name -> "module:attribute", imported on first use so that the CPU install never imports

@@ -261,12 +261,12 @@ class Functions:
 
     # Optimizer updates of one parameter (conv2d.optim), in place.
     def adam_step(self, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
-                  buffers: Mapping[str, dict], step: np.ndarray, h: dict, prepared: dict | None = None) -> None:
+                  buffers: Mapping[str, dict], step: np.ndarray, h: dict, prepared: dict) -> None:
         """One Adam step of a layer's parameters (conv2d.optim); `prepared` is unused here."""
         optim.adam_step(params, grads, buffers, step, h)
 
     def sgd_step(self, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
-                 buffers: Mapping[str, dict], step: np.ndarray, h: dict, prepared: dict | None = None) -> None:
+                 buffers: Mapping[str, dict], step: np.ndarray, h: dict, prepared: dict) -> None:
         """One SGD step of a layer's parameters (conv2d.optim); `prepared` is unused here."""
         optim.sgd_step(params, grads, buffers, step, h)
 

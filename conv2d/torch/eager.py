@@ -32,7 +32,7 @@ from torch import Tensor
 
 from conv2d.arrays import to_library
 from conv2d.torch.graphs import CallGraphs
-from conv2d.torch.ops import _detached as detached, _params as param_dict, first_order_only, in_capture, saved_outputs
+from conv2d.torch.calls import detached, first_order_only, in_capture, param_dict, saved_outputs
 
 
 class Call(NamedTuple):

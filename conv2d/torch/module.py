@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from conv2d.activations import Activation
-from conv2d.backend import check_options, make_functions
+from conv2d.backend import Preallocating, check_options, make_functions
 from conv2d.spec import DType, LayerSpec, Normalization, _pair
 from conv2d.torch import eager, ops
 from conv2d.torch.graphs import COUNTS, CallGraphs
@@ -357,6 +357,9 @@ def _cuda_functions(spec: LayerSpec, device: torch.device, options: dict) -> tup
     (KeyError: <ufunc 'multiply'> when a compiled module made them first, on the H200)."""
     with torch.cuda.device(device):
         fn = make_functions("cuda", spec, **options)
+    if not isinstance(fn, Preallocating):  # the eager node writes into tensors it allocated
+        raise TypeError(f"the cuda backend's functions ({type(fn).__name__}) lack conv2d.backend.Preallocating's "
+                        f"saved_out/y_out/grads_out/d_x_out")
     # A backend given a stream of its own runs there, not on torch's current stream
     # where a graph would replay.
     return fn, (None if fn.stream_given else CallGraphs(fn, device))

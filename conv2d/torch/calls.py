@@ -1,0 +1,91 @@
+"""What both of the module's autograd paths use (the eager node, conv2d.torch.eager, and the
+registered ops, conv2d.torch.ops): detached parameter dicts, the CUDA functions' saved
+outputs as torch tensors, the capture guard, and the first-order-only backward."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from conv2d.spec import Normalization
+
+
+class _SecondDerivative(torch.autograd.Function):
+    """The gradients a first-order backward returned, passed through; differentiating them
+    raises, as PyTorch's once_differentiable does."""
+
+    @staticmethod
+    def forward(ctx: Any, count: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+        return tuple(t.clone() for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple:
+        raise RuntimeError("trying to differentiate twice a function that was marked with @once_differentiable: "
+                           "conv2d.torch.Conv2dNormActivation has no second derivative (a gradient penalty or a "
+                           "meta-gradient through it needs torch.nn.Conv2d there)")
+
+
+def first_order_only(backward: Callable[..., tuple]) -> Callable[..., tuple]:
+    """Decorate an autograd Function's backward: run it without building a graph, and when
+    autograd was asked for one (create_graph=True) and the function's inputs require grad,
+    return gradients whose own backward raises (torch's once_differentiable only does so
+    when the incoming gradients require grad: for d(loss)/dx of a sum they do not, and the
+    second derivative through the saved x and weights came back silently zero)."""
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: Tensor) -> tuple:
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outputs
+        sources = [t for t in (*ctx.saved_tensors, *grads) if isinstance(t, Tensor) and t.requires_grad]
+        if not sources:
+            return outputs
+        tensors = [o for o in outputs if isinstance(o, Tensor)]
+        guarded = iter(_SecondDerivative.apply(len(tensors), *tensors, *sources))
+        return tuple(next(guarded) if isinstance(o, Tensor) else o for o in outputs)
+    return wrapper
+
+
+def in_capture(fn: Any, x: Tensor) -> contextlib.AbstractContextManager:
+    """While torch's current stream is captured into a CUDA graph (torch.cuda.graph, or
+    torch.compile's CUDA graphs), the CUDA functions' calls defer numba's frees (a free
+    would invalidate the capture); otherwise nothing."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return fn.deferred_frees()
+    return contextlib.nullcontext()
+
+
+def detached(*tensors: Optional[Tensor]) -> list:
+    return [t if t is None else t.detach() for t in tensors]
+
+
+def norm_groups(fn: Any, n: int) -> int:
+    norm = fn.spec.normalization
+    return {Normalization.BATCH_NORM: fn.spec.out_channels, Normalization.LAYER_NORM: n}.get(norm, 0)
+
+
+def saved_outputs(fn: Any, x: Tensor, placeholders: bool = True) -> dict[str, Optional[Tensor]]:
+    """New tensors for the CUDA functions' saved values of a forward on x (N, H, W, C):
+    "pre" (N, OH, OW, OC) in x's dtype, "mean" and "inv_std" float32 per norm group;
+    without a norm (nothing reads or writes them) one-element `placeholders` (an
+    operator's outputs are tensors), or None."""
+    shape = fn.spec.at(*x.shape[:3]).output_shape
+    groups = norm_groups(fn, x.shape[0])
+    out = {"pre": torch.empty(shape, dtype=x.dtype, device=x.device), "mean": None, "inv_std": None}
+    if groups or placeholders:
+        out["mean"], out["inv_std"] = (torch.empty(max(groups, 1), dtype=torch.float32, device=x.device)
+                                       for _ in range(2))
+    return out
+
+
+def param_dict(weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor]) -> dict:
+    params = {"weights": weight}
+    if bias is not None:
+        params["bias"] = bias
+    if gamma is not None:
+        params["gamma"], params["beta"] = gamma, beta
+    return params
