@@ -5,16 +5,18 @@
     opt.step()                 # updates every parameter from its accumulated gradient
     opt.zero_grad()            # the layers' zero_gradient()
 
-`Adam` computes as rl_tools' `nn/optimizers/adam` by default (preset "tensorflow":
-alpha 1e-3, beta1 0.9, beta2 0.999, eps = eps_sqrt = 1e-7; preset "pytorch" sets
-eps = eps_sqrt = 1e-8), with t the step count from 1:
+`Adam`'s presets are named for the formula they compute. By default, "rl_tools": rl_tools'
+`nn/optimizers/adam` with its default hyper-parameters (its "TensorFlow" preset: alpha
+1e-3, beta1 0.9, beta2 0.999, eps = eps_sqrt = 1e-7); "rl_tools_eps_1e-8": the same
+formula with eps = eps_sqrt = 1e-8 (rl_tools' "PyTorch" preset, which is not torch's
+formula); with t the step count from 1:
 
     m = beta1 m + (1 - beta1) g          v = beta2 v + (1 - beta2) g^2
     update = alpha / (1 - beta1^t) * m / (sqrt(max(v / (1 - beta2^t), eps_sqrt)) + eps)
     update += value * weight_decay / 2   (weights and gamma only)
     value -= update
 
-and, with preset "torch" / "torch_adamw", exactly as `torch.optim.Adam` / `AdamW` do
+and "torch" / "torch_adamw": exactly as `torch.optim.Adam` / `AdamW` compute
 (weight decay on every parameter: added to the gradient, or decoupled). `SGD` computes as
 `torch.optim.SGD` (momentum, dampening, Nesterov, weight decay). 16-bit parameters keep a
 float32 master copy here (the original's master parameters), taken when the optimizer is
@@ -41,11 +43,14 @@ from conv2d.checks import check_finite
 from conv2d.state import state_layout
 
 ADAM_PRESETS = {
-    "tensorflow": dict(rule="rl_tools", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-7, eps_sqrt=1e-7),
-    "pytorch": dict(rule="rl_tools", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, eps_sqrt=1e-8),
+    "rl_tools": dict(rule="rl_tools", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-7, eps_sqrt=1e-7),
+    "rl_tools_eps_1e-8": dict(rule="rl_tools", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, eps_sqrt=1e-8),
     "torch": dict(rule="torch", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, eps_sqrt=0.0),
     "torch_adamw": dict(rule="torch_w", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, eps_sqrt=0.0),
 }
+# The earlier names, which said whose defaults rather than which formula: "pytorch" read
+# as torch.optim.Adam's formula beside "torch", which is.
+RENAMED_PRESETS = {"tensorflow": "rl_tools", "pytorch": "rl_tools_eps_1e-8"}
 DECAYED = ("weights", "gamma")  # what rl_tools' weight decay applies to
 # The largest step count loaded: counted exactly in float64 (the bias corrections'
 # exponent) and far from int64's end, so that no step overflows the count.
@@ -198,9 +203,12 @@ class Adam(_Optimizer):
     """Adam over the parameters of `model`; see the module docstring for the presets.
     `lr` is rl_tools' alpha."""
 
-    def __init__(self, model: Any, preset: str = "tensorflow", lr: float | None = None,
+    def __init__(self, model: Any, preset: str = "rl_tools", lr: float | None = None,
                  betas: tuple[float, float] | None = None, eps: float | None = None, eps_sqrt: float | None = None,
                  weight_decay: float = 0.0) -> None:
+        if preset in RENAMED_PRESETS:
+            raise ValueError(f"preset: {preset!r} is now {RENAMED_PRESETS[preset]!r} (presets are named for the "
+                             f"formula they compute; torch.optim.Adam's is 'torch')")
         if preset not in ADAM_PRESETS:
             raise ValueError(f"preset: expected one of {sorted(ADAM_PRESETS)}, got {preset!r}")
         h = dict(ADAM_PRESETS[preset])

@@ -66,12 +66,12 @@ def test_the_torch_presets_match_torch_optim_in_float64(case):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-14, err_msg=k)
 
 
-@pytest.mark.parametrize("preset", ["tensorflow", "pytorch"])
+@pytest.mark.parametrize("preset", ["rl_tools", "rl_tools_eps_1e-8"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.05])
 def test_adam_computes_rl_tools_formula_in_float64(preset, weight_decay):
     layer = make_layer(SPEC)
     grads = gradient_sequence(SPEC)
-    eps = {"tensorflow": 1e-7, "pytorch": 1e-8}[preset]
+    eps = {"rl_tools": 1e-7, "rl_tools_eps_1e-8": 1e-8}[preset]
     lr, b1, b2 = 3e-3, 0.9, 0.999
     want = {k: v.copy() for k, v in layer.state_dict().items() if k not in RUNNING}
     m = {k: np.zeros_like(v) for k, v in want.items()}
@@ -238,3 +238,9 @@ def test_a_capture_refuses_an_optimizer_over_other_layers_before_any_change():
         layer.capture(x, d_y, optimizer=Adam(other))
     for k, v in before.items():
         np.testing.assert_array_equal(layer.state_dict()[k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("old, new", [("tensorflow", "rl_tools"), ("pytorch", "rl_tools_eps_1e-8")])
+def test_the_old_preset_names_are_refused_naming_the_new_one(old, new):
+    with pytest.raises(ValueError, match=f"preset: '{old}' is now '{new}'"):
+        Adam(make_layer(SPEC), preset=old)

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     q.init_weights(np.random.default_rng(args.seed))
     target = q_network(len(actions), args.batch_size, args.dtype, args.backend)
     target.load_state_dict(q.state_dict())
-    opt = Adam(q, lr=args.lr, preset="pytorch")
+    opt = Adam(q, lr=args.lr, preset="rl_tools_eps_1e-8")
     net = (_Graphs if args.backend == "cuda" else _CallByCall)(q, target, opt, args.batch_size, len(actions), st)
     rng = np.random.default_rng(args.seed + 1)
     n = min(REPLAY, args.steps)
