@@ -47,7 +47,7 @@ class Conv2d:
         # The last forward: its saved values, its input, and the parameters' version then.
         self._saved: Any = None
         self._saved_input: Any = None
-        self._saved_mark: tuple = ()
+        self._saved_mark: tuple | None = None
         self._saved_version = -1
         self._version = 0
 
@@ -85,7 +85,12 @@ class Conv2d:
         with self._lock:
             y, saved = self._fn.forward(self._params, x, training, self._running)
             self._saved, self._saved_input, self._saved_version = saved, x, self._version
-            self._saved_mark = content_mark(x)
+            # What backward differentiates is x itself where the backend keeps it (the
+            # reference's view of host memory, a device array): a change in place must be
+            # caught. The CUDA backend copies host input to the device and differentiates
+            # that copy, whatever the caller does to x after the call: nothing to check.
+            copied = self.backend == "cuda" and not _on_device(x)
+            self._saved_mark = None if copied else content_mark(x)
             return y
 
     # Backward ------------------------------------------------------------------------------
@@ -108,7 +113,7 @@ class Conv2d:
     def _is_last_input(self, x: Any) -> bool:
         last = self._saved_input
         if same_memory(x, last):
-            if content_mark(x) != self._saved_mark:
+            if self._saved_mark is not None and content_mark(x) != self._saved_mark:
                 raise ValueError("x: changed in place since the last forward (its values, or a torch tensor's "
                                  "version counter, differ from the forward's): the saved pre-activations and "
                                  "statistics belong to the old values; call forward(x) again before backward")

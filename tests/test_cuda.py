@@ -1004,7 +1004,8 @@ def test_graphs_hold_the_plans_they_were_captured_with_when_the_backend_drops_th
     """max_shapes=1: every call of the other input size drops the plan a graph was captured
     on; the graph keeps that plan's scratch and workspace, and every step keeps the bits."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
-    graphed, launched, tdt = _graphed_and_launched(torch, "batch_norm", "float32", max_shapes=1)
+    graphed, launched, tdt = _graphed_and_launched(torch, "batch_norm", "float32",
+                                                   backend_options={"max_shapes": 1})
     for size in (12, 8, 12, 8, 12, 8):
         x = torch.randn(2, 5, size, size, device="cuda").to(memory_format=torch.channels_last)
         d_y = torch.randn(2, 6, size, size, device="cuda").to(memory_format=torch.channels_last)
@@ -1090,10 +1091,9 @@ def test_the_compiled_module_on_the_gpu_takes_changing_batch_sizes_bitwise_as_ea
         x = torch.randn(n, 5, 12, 12, device="cuda").contiguous(memory_format=torch.channels_last)
         xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
         ye, yc = eager(xe), run(xc)
+        assert torch.equal(yc, ye), n  # before the next replay may reuse yc's memory (reduce-overhead)
         ye.square().sum().backward()
         yc.square().sum().backward()
-        torch.cuda.synchronize()
-        assert torch.equal(yc, ye), n
         assert torch.equal(xc.grad, xe.grad), n
     for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
         assert torch.equal(b.grad, a.grad), name

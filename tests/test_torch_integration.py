@@ -144,14 +144,22 @@ def test_an_exported_program_runs_after_the_module_is_gone():
     torch.testing.assert_close(ep.module()(x), want, rtol=0, atol=0)
 
 
+def test_the_compiled_forward_has_no_graph_break():
+    m = module().eval()
+    assert torch._dynamo.explain(m)(nchw(2, 3, 6, 6)).graph_break_count == 0
+    m.train()
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(m)(nchw(2, 3, 6, 6)).graph_break_count == 0
+
+
 def test_the_ops_make_their_functions_from_the_key_alone():
     from conv2d.torch import ops
 
     m = module()
-    fn, key, _ = m._functions_for(nchw(1, 3, 6, 6))
+    key = m._op_key
     ops._FUNCTIONS.pop(key, None)
     made = ops.functions(key)
-    assert made.spec == fn.spec and made is ops.functions(key)
+    assert made.spec == m.spec and made is ops.functions(key)
 
 
 @pytest.mark.parametrize("how", ["trace", "script"])

@@ -167,6 +167,7 @@ class Conv2dNormActivation(nn.Module):
         self.backend_options = backend_options
         self._functions: dict = {}
         self._views = eager.ParameterViews()
+        self._refresh_op_key()
 
     @property
     def conv(self) -> _ConvParameters:
@@ -185,7 +186,9 @@ class Conv2dNormActivation(nn.Module):
         # .to(), .cuda(), .double(), ... give the parameters new memory: drop the views of
         # the old (they would keep it alive until the next call noticed).
         self._views = eager.ParameterViews()
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        self._refresh_op_key()
+        return out
 
     def extra_repr(self) -> str:
         s = self._spec
@@ -202,34 +205,38 @@ class Conv2dNormActivation(nn.Module):
         dtypes: "eager" (launched), "captured", "replayed", "failed" (captures that failed;
         those calls launch)."""
         total = dict.fromkeys(COUNTS, 0)
-        for _, _, graphs in self._functions.values():
+        for _, graphs in self._functions.values():
             for k, v in (graphs.counts.items() if graphs is not None else ()):
                 total[k] += v
         return total
 
-    def _functions_for(self, x: torch.Tensor) -> tuple[Any, str, Any]:
-        """(the backend's functions, their ops key, their CallGraphs or None) for x's
-        device and dtype (made once)."""
+    def _functions_for(self, x: torch.Tensor) -> tuple[Any, Any]:
+        """(the backend's functions, their CallGraphs or None) for x's device and dtype
+        (made once), for the eager path."""
         key = (x.device, x.dtype)
         found = self._functions.get(key)
         if found is not None:
             return found
         backend = "cuda" if x.is_cuda else "reference"
-        if x.dtype not in _DTYPES:
-            raise TypeError(f"x: expected a float64, float32, float16 or bfloat16 tensor, got {x.dtype}")
         spec = self._spec_for(_DTYPES[x.dtype])
-        options = self.backend_options if backend == "cuda" else {}
         if backend == "cuda":
-            fn, graphs = _cuda_functions(spec, x.device, options)
+            fn, graphs = _cuda_functions(spec, x.device, self.backend_options)
         else:
             fn, graphs = make_functions(backend, spec), None
-        # The ops (torch.compile, export) name functions by what they compute, made from
-        # the name in any process; options that are no JSON value name these in this one.
-        op_key = ops.key_for(backend, spec, x.device, options)
-        if op_key.startswith("object:"):
-            ops.register(op_key, fn)
-        found = self._functions[key] = (fn, op_key, graphs)
+        if self._op_key.startswith("object:"):  # options that are no JSON value: these functions
+            ops.register(self._op_key, fn)
+        found = self._functions[key] = (fn, graphs)
         return found
+
+    def _refresh_op_key(self) -> None:
+        """The ops' name for the functions of the module's device, dtype and spec (the ops
+        make them from it), computed here rather than in a traced forward: torch.compile
+        cannot trace the JSON it is made of without a graph break."""
+        w = self.conv.weight
+        backend = "cuda" if w.is_cuda else "reference"
+        dtype = _DTYPES.get(w.dtype, DType.FLOAT32)  # another dtype is refused at the call
+        self._op_key = ops.key_for(backend, self._spec_for(dtype), w.device,
+                                   self.backend_options if backend == "cuda" else {})
 
     def _follow_norm(self) -> bool:
         """Whether the norm trains (batch norm: its own flag, as nn.BatchNorm2d's, which
@@ -248,6 +255,7 @@ class Conv2dNormActivation(nn.Module):
             self._spec = dataclasses.replace(self._spec, bn_epsilon=norm.eps, bn_momentum=norm.momentum)
             self._functions = {}
             self._views = eager.ParameterViews()
+            self._refresh_op_key()
         return norm.training
 
     def __prepare_scriptable__(self) -> "Conv2dNormActivation":
@@ -261,6 +269,8 @@ class Conv2dNormActivation(nn.Module):
             raise ValueError(f"x: expected a 4-D ({', '.join(layout)}) tensor, got "
                              f"{'a ' + type(x).__name__ + ' of shape ' + str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__}")
         weight = self.conv.weight
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"x: expected a float64, float32, float16 or bfloat16 tensor, got {x.dtype}")
         if x.dtype != weight.dtype or x.device != weight.device:
             raise TypeError(f"x: expected a {weight.dtype} tensor on {weight.device} (the module's), got "
                             f"{x.dtype} on {x.device}")
@@ -278,7 +288,6 @@ class Conv2dNormActivation(nn.Module):
         self._check_input(x)
         training = self._follow_norm()
         weight = self.conv.weight
-        fn, key, graphs = self._functions_for(x)
         nchw = self.layout == "NCHW"
         if nchw:
             try:
@@ -299,6 +308,7 @@ class Conv2dNormActivation(nn.Module):
             if self._spec.normalization is Normalization.BATCH_NORM:
                 running_mean, running_var = norm.running_mean, norm.running_var
         if type(x) is torch.Tensor and type(weight) in _PLAIN and not torch.compiler.is_compiling():
+            fn, graphs = self._functions_for(x)
             if weight.is_contiguous(memory_format=torch.channels_last):
                 params, running, ptrs = self._views.get(weight, bias, gamma, beta, running_mean, running_var)
             else:
@@ -318,7 +328,8 @@ class Conv2dNormActivation(nn.Module):
             # the graph.
             w = weight.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
             y = ops.Conv2dFunction.apply(x.permute(0, 2, 3, 1) if nchw else x, w, bias, gamma, beta, running_mean,
-                                         running_var, training, self._spec.batch_statistics(training), key)
+                                         running_var, training, self._spec.batch_statistics(training),
+                                         self._op_key)
         if running_mean is not None and training:
             norm.num_batches_tracked.add_(1)  # after the call: a refused input counts no batch
         return y.permute(0, 3, 1, 2) if nchw else y
