@@ -123,8 +123,9 @@ class Conv2dNormActivation(nn.Module):
     `groups`, `padding_mode`, padding "same"/"valid", `affine`, `track_running_stats`,
     `momentum=None`. Any other keyword is a TypeError, as in PyTorch.
 
-    Works in eager mode, under torch.compile (any batch size, `dynamic` or not, and
-    mode="reduce-overhead") and torch.export (the exported program runs wherever conv2d is
+    Works in eager mode, under torch.compile (any batch size, `dynamic` or not; a training
+    step under mode="reduce-overhead" does not work yet: CUDA graph trees report a saved
+    view of x overwritten) and torch.export (the exported program runs wherever conv2d is
     installed). Refused with a message: torch.jit.trace/script (use torch.compile or
     torch.export) and torch.func.vmap (batch the input instead). No second derivative: a
     double backward raises PyTorch's once_differentiable error.
@@ -326,7 +327,10 @@ class Conv2dNormActivation(nn.Module):
         else:
             # torch.compile and tensor subclasses: the registered ops, with the permutes in
             # the graph.
-            w = weight.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
+            # The weight goes in as (OC, IC, KH, KW) in channels_last memory and the op views
+            # it as (OC, KH, KW, IC): a view made in the graph would be an output aliasing the
+            # parameter, saved for backward, which reduce-overhead's CUDA graphs overwrote.
+            w = weight.contiguous(memory_format=torch.channels_last)
             y = ops.Conv2dFunction.apply(x.permute(0, 2, 3, 1) if nchw else x, w, bias, gamma, beta, running_mean,
                                          running_var, training, self._spec.batch_statistics(training),
                                          self._op_key)

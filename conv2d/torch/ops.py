@@ -108,7 +108,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[T
     without a norm. Batch norm in training updates running_mean and running_var in place;
     otherwise it normalises with them."""
     fn = functions(key)
-    x, weight, bias, gamma, beta = detached(x, weight, bias, gamma, beta)
+    x, weight, bias, gamma, beta = detached(x, weight.permute(0, 2, 3, 1), bias, gamma, beta)
     running = None if running_mean is None else {"running_mean": running_mean, "running_var": running_var}
     params = param_dict(weight, bias, gamma, beta)
     if x.is_cuda:
@@ -148,7 +148,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[
              want_params: bool, key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d_x, d_weight, d_bias, d_gamma, d_beta), fresh; empty where not wanted or absent."""
     fn = functions(key)
-    x, weight, bias, gamma, beta, d_y = detached(x, weight, bias, gamma, beta, d_y)
+    x, weight, bias, gamma, beta, d_y = detached(x, weight.permute(0, 2, 3, 1), bias, gamma, beta, d_y)
     with in_capture(fn, x):
         saved = fn.saved(x, pre, mean, inv_std, batch_stats)
         grads, d_x = fn.backward(param_dict(weight, bias, gamma, beta), saved, d_y, want_params, want_input)
@@ -163,7 +163,9 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[
 def _backward_fake(x, weight, bias, gamma, beta, pre, mean, inv_std, d_y, batch_stats, want_input, want_params, key):
     def like(t, wanted):
         return t.new_empty(t.shape) if wanted and t is not None else x.new_empty(0)
-    return (like(x, want_input), like(weight, want_params), like(bias, want_params), like(gamma, want_params),
+    d_weight = weight.new_empty((weight.shape[0], weight.shape[2], weight.shape[3], weight.shape[1])) \
+        if want_params else x.new_empty(0)  # (OC, KH, KW, IC)
+    return (like(x, want_input), d_weight, like(bias, want_params), like(gamma, want_params),
             like(beta, want_params))
 
 
@@ -199,7 +201,7 @@ class Conv2dFunction(torch.autograd.Function):
         d_x, d_w, d_b, d_g, d_be = torch.ops.conv2d.backward(x, weight, bias, gamma, beta, pre, mean, inv_std,
                                                              d_y.contiguous(), ctx.batch_stats, want_input,
                                                              want_params, ctx.key)
-        return (d_x if want_input else None, d_w if want_params else None,
+        return (d_x if want_input else None, d_w.permute(0, 3, 1, 2) if want_params else None,
                 d_b if want_params and bias is not None else None,
                 d_g if want_params and gamma is not None else None,
                 d_be if want_params and beta is not None else None, None, None, None, None, None)
