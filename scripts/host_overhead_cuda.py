@@ -8,12 +8,12 @@ good for comparing two versions on one machine:
     PYTHONPATH=/tmp/old python scripts/host_overhead_cuda.py old   # another commit's package
     python scripts/host_overhead_cuda.py TAG evaluate              # acting: evaluate at N = 1
 
-(only the public layer API and `functions.launches` / `_impl._launches` are used).
+(only the public layer API and `functions.launches` are used).
 """
 
+import argparse
 import os
 import statistics
-import sys
 import time
 
 os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
@@ -43,15 +43,18 @@ class NoKernel:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("tag", nargs="?", default="this", help="the first column of the printed rows")
+    ap.add_argument("mode", nargs="?", default="step", choices=["step", "evaluate"],
+                    help="a training step (forward + backward_full) or acting (evaluate at N = 1)")
+    args = ap.parse_args()
     from numba import cuda
 
-    tag = sys.argv[1] if len(sys.argv) > 1 else "this"
-    acting = len(sys.argv) > 2 and sys.argv[2] == "evaluate"
+    tag, acting = args.tag, args.mode == "evaluate"
     for norm in ("none", "batch_norm"):
         spec = LayerSpec(batch_size=1, in_height=16, in_width=16, in_channels=3, out_channels=8, kernel=3,
                          padding=1, activation="relu", normalization=norm, dtype="float32")  # tiny_latency
-        functional = hasattr(Conv2d, "functions")
-        layer = Conv2d(spec, "cuda", convolutions=NoConvolutions if functional else NoConvolutions(spec))
+        layer = Conv2d(spec, "cuda", convolutions=NoConvolutions)
         x = cuda.to_device(np.zeros(spec.input_shape, np.float32))
         dy = cuda.to_device(np.zeros(spec.output_shape, np.float32))
 
@@ -64,7 +67,7 @@ def main() -> None:
         for _ in range(3):  # every launch prepared (a forward's saved buffers alternate between two sets)
             step()
             layer.evaluate(x)
-        for launch in (layer.functions.launches if functional else layer._impl._launches).values():
+        for launch in layer.functions.launches.values():
             launch.kernel = NoKernel()
         for _ in range(50):
             step()
