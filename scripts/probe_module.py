@@ -38,7 +38,8 @@ def main() -> None:
     x = torch_nchw(x_host, spec).requires_grad_(True)
     dy = torch_nchw(dy_host, spec)
     model(x).backward(dy)
-    fn, op_key = next(iter(model._functions.values()))
+    fn, _ = next(iter(model._functions.values()))  # (the eager path's functions, their CallGraphs)
+    op_key = model._op_key
     cuda = fn.cuda
     sync = torch.cuda.synchronize
     nhwc = x.detach().permute(0, 2, 3, 1)
@@ -77,8 +78,8 @@ def main() -> None:
     row("Functions.backward (params and input)", lambda: fn.backward(params, saved, d_y, True, True))
     with torch.no_grad():
         row("torch.ops.conv2d.forward, no_grad",
-            lambda: torch.ops.conv2d.forward(nhwc, w, params.get("bias"), params.get("gamma"), params.get("beta"),
-                                             None, None, True, op_key))
+            lambda: torch.ops.conv2d.forward(nhwc, model.conv.weight.detach(), params.get("bias"),
+                                             params.get("gamma"), params.get("beta"), None, None, True, op_key))
         row("module forward, no_grad", lambda: model(x))
     row("module forward, grad", lambda: model(x))
 
