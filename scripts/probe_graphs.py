@@ -75,7 +75,7 @@ def main() -> None:
         out[f"{name} step, autograd on this thread"] = timed(step)
         torch.autograd.set_multithreading_enabled(True)
         if name == "graphs":
-            (fn, _, call_graphs), = model._functions.values()
+            (fn, call_graphs), = model._functions.values()
             entries = list(call_graphs._graphs.items())
             for direction, is_forward in (("forward", True), ("backward", False)):
                 found = [entry[0] for key, entry in entries if key[0] == is_forward]
