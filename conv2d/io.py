@@ -237,21 +237,16 @@ def load(path: str | os.PathLike, backend: str = "reference", into: Conv2d | Seq
                             f"{type(into).__name__}" + (f" of {len(into)}" if isinstance(into, Sequential) else ""))
         for i, (file_spec, layer) in enumerate(zip(spec, into)):
             _check_same(path, file_spec, layer.spec, f"layer {i}")
-        _load_state(path, into, state)
+        into.load_state_dict(state)  # its layout was checked with the header
         return into
     if into is not None:
         if not isinstance(into, Conv2d):
             raise TypeError(f"into: expected a Conv2d, got {type(into).__name__}")
         _check_same(path, spec, into.spec, "layer")
-        _load_state(path, into, state)
+        into.load_state_dict(state)  # its layout was checked with the header
         return into
     layer = Conv2d(spec, backend, **backend_options)
-    _load_state(path, layer, state)
+    layer.load_state_dict(state)
     return layer
 
 
-def _load_state(path: Path, into: Conv2d | Sequential, state: dict[str, np.ndarray]) -> None:
-    try:
-        into.load_state_dict(state)
-    except (KeyError, TypeError) as e:  # the header's arrays do not fit the spec's layout
-        raise ValueError(f"load({str(path)!r}): the file's arrays do not fit its spec: {e}") from e

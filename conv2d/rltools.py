@@ -29,11 +29,12 @@ are zero. Files this library writes carry the attribute `conv2d_weight_layout="o
 so that they read back without `weight_layout=` whatever their shapes.
 
 Datasets are written with HDF5's Fletcher-32 checksum filter, so a damaged value in a
-file of ours fails to read instead of loading. Reading trusts nothing in the file: every dataset is checked before any of it is read
-(a hard link, no external raw storage, no virtual dataset, a real floating-point dtype,
-the shape the layer needs), so a crafted file can neither make the reader open another
-file nor allocate more than the layer's own arrays; links (soft, external) are refused,
-and any damage is a ValueError naming the dataset.
+file of ours fails to read instead of loading. Reading trusts nothing in the file: every
+dataset is checked before any of it is read (a hard link, no external raw storage, no
+virtual dataset, a real floating-point dtype, the shape the layer needs), so a crafted
+file can neither make the reader open another file nor allocate more than the layer's own
+arrays; links (soft, external) are refused, and any damage is a ValueError naming the
+dataset (conv2d/hdf5_safe.py).
 """
 
 from __future__ import annotations
@@ -154,17 +155,23 @@ def write(layer: Conv2d, group: Any, gradient: bool = True, optimizer: Any = Non
         group.attrs[k] = v
 
 
+def _weight_shapes(spec: LayerSpec) -> dict[str, tuple[int, ...]]:
+    """The weights' shape in each layout rl_tools has used: "ohwi" (OC, KH, KW, IC), now,
+    and "oihw" (OC, IC, KH, KW), older files."""
+    oc, kh, kw, ic = spec.weight_shape
+    return {"ohwi": (oc, kh, kw, ic), "oihw": (oc, ic, kh, kw)}
+
+
 def wanted(spec: LayerSpec) -> dict[str, list[tuple[int, ...]]]:
     """The datasets a group of a layer of `spec` may hold, with their allowed shapes (the
     weights in either layout): what `hdf5_safe.snapshot` reads."""
-    oc, kh, kw, ic = spec.weight_shape
     out: dict[str, list[tuple[int, ...]]] = {}
     for name, sub in _GROUPS.items():
-        shapes = [(oc, kh, kw, ic), (oc, ic, kh, kw)] if name == "weights" else [(oc,)]
+        shapes = list(_weight_shapes(spec).values()) if name == "weights" else [(spec.out_channels,)]
         for key in ("parameters", "gradient") + ADAM_MOMENTS:
             out[f"{sub}/{key}"] = shapes
     for name in RUNNING:
-        out[name] = [(oc,)]
+        out[name] = [(spec.out_channels,)]
     return out
 
 
@@ -213,8 +220,8 @@ def spec_from_group(group: Any, in_height: int, in_width: int, **fields: Any) ->
 def _weight_layout(snap: dict[str, Any], spec: LayerSpec, shape: tuple[int, ...], weight_layout: str | None) -> str:
     """Which layout the weights dataset of `shape` has: the caller's word, this library's
     marker, or the shape where it tells."""
-    oc, kh, kw, ic = spec.weight_shape
-    new, old = (oc, kh, kw, ic), (oc, ic, kh, kw)
+    shapes = _weight_shapes(spec)
+    new, old = shapes["ohwi"], shapes["oihw"]
     where = f"rl_tools group {snap['name']!r}: weights/parameters"
     marker = snap["attrs"].get(WEIGHT_LAYOUT_ATTRIBUTE)
     if marker is not None:
@@ -239,16 +246,16 @@ def _parameter(snap: dict[str, Any], sub: str, name: str, spec: LayerSpec, where
                weight_layout: str | None) -> dict[str, np.ndarray]:
     """key -> array (in the layer's layout) of the parameter group `sub`: "parameters" and
     what else of "gradient" and Adam's moments it holds; {} where the group is absent."""
-    values = {key: snap["arrays"][f"{sub}/{key}"] for key in ("parameters", "gradient") + ADAM_MOMENTS
-              if f"{sub}/{key}" in snap["arrays"]}
     if sub not in snap["members"]:
         return {}
+    values = {key: snap["arrays"][f"{sub}/{key}"] for key in ("parameters", "gradient") + ADAM_MOMENTS
+              if f"{sub}/{key}" in snap["arrays"]}
     if "parameters" not in values:
         raise ValueError(f"{where}: missing {sub}/parameters")
     if name == "weights":
         layout = _weight_layout(snap, spec, values["parameters"].shape, weight_layout)
+        want = _weight_shapes(spec)[layout]
         for key, a in values.items():
-            want = spec.weight_shape if layout == "ohwi" else tuple(np.array(spec.weight_shape)[[0, 3, 1, 2]])
             if a.shape != want:
                 raise ValueError(f"{where}: {sub}/{key}: expected shape {want} as its parameters, got {a.shape}")
             if layout == "oihw":
@@ -263,10 +270,10 @@ def read(group: Any, into: Conv2d, weight_layout: str | None = None, optimizer: 
     checking every attribute the group has against the layer's spec and every dataset (see
     the module docstring); nothing changes on a mismatch. Returns `into`. In this process:
     `load` reads a file in a child process, safe from the HDF5 library's crashes."""
-    _check_load_arguments(into, weight_layout, optimizer)
+    index = _check_load_arguments(into, weight_layout, optimizer)
     where = f"rl_tools group {getattr(group, 'name', '?')!r}"
     snap = hdf5_safe.snapshot(group, wanted(into.spec), where)
-    return _apply(into, optimizer, *parse(snap, into.spec, weight_layout, optimizer is not None), where=where)
+    return _apply(into, optimizer, index, *parse(snap, into.spec, weight_layout, optimizer is not None), where=where)
 
 
 def parse(snap: dict[str, Any], spec: LayerSpec, weight_layout: str | None = None,
@@ -324,21 +331,22 @@ def parse(snap: dict[str, Any], spec: LayerSpec, weight_layout: str | None = Non
     return check_arrays("state", state, layout, finite=True), grads, adam
 
 
-def _check_load_arguments(into: Conv2d, weight_layout: str | None, optimizer: Any) -> None:
+def _check_load_arguments(into: Conv2d, weight_layout: str | None, optimizer: Any) -> int | None:
+    """Check a load's arguments; the index of `into` among the optimizer's layers, if any."""
     if not isinstance(into, Conv2d):
         raise TypeError(f"into: expected a Conv2d, got {type(into).__name__}")
     if weight_layout not in (None, "ohwi", "oihw"):
         raise ValueError(f"weight_layout: expected None, 'ohwi' or 'oihw', got {weight_layout!r}")
-    if optimizer is not None:
-        _adam_index(optimizer, into, "loaded into")
+    return None if optimizer is None else _adam_index(optimizer, into, "loaded into")
 
 
-def _apply(into: Conv2d, optimizer: Any, state: dict[str, np.ndarray], grads: dict[str, np.ndarray],
-           adam: dict[str, np.ndarray], where: str) -> Conv2d:
-    """Load what `parse` gave into the layer (and the optimizer), all checked first."""
+def _apply(into: Conv2d, optimizer: Any, index: int | None, state: dict[str, np.ndarray],
+           grads: dict[str, np.ndarray], adam: dict[str, np.ndarray], where: str) -> Conv2d:
+    """Load what `parse` gave into the layer (and layer `index` of the optimizer), all
+    checked first."""
     adam_state = None
     if optimizer is not None:
-        adam_state = _adam_state(optimizer, _adam_index(optimizer, into, "loaded into"), state, adam, where)
+        adam_state = _adam_state(optimizer, index, state, adam, where)
     into.load_state_dict(state)
     if grads:
         into.load_grad_dict(grads)
@@ -402,7 +410,7 @@ def load(path: str | os.PathLike, into: Conv2d, name: str = "layer", weight_layo
     no regular file, a file that is no HDF5, any damage or mismatch is a ValueError
     (FileNotFoundError and PermissionError pass through), and nothing changes in `into` or
     `optimizer` unless the whole file is good."""
-    _check_load_arguments(into, weight_layout, optimizer)
+    index = _check_load_arguments(into, weight_layout, optimizer)
     _h5py()
     where = f"rltools.load({str(path)!r})"
     p = readable_file(where, path)
@@ -426,4 +434,4 @@ def load(path: str | os.PathLike, into: Conv2d, name: str = "layer", weight_layo
     if done.returncode != 0:
         raise ValueError(f"{where}: not a readable rl_tools file (reader exit {done.returncode}): {message[-500:]}")
     snap = hdf5_safe.from_npz(done.stdout)
-    return _apply(into, optimizer, *parse(snap, into.spec, weight_layout, optimizer is not None), where=where)
+    return _apply(into, optimizer, index, *parse(snap, into.spec, weight_layout, optimizer is not None), where=where)

@@ -25,6 +25,7 @@ from torch import nn
 
 from conv2d.activations import Activation
 from conv2d.backend import Preallocating, check_options, make_functions
+from conv2d.checks import describe
 from conv2d.spec import DType, LayerSpec, Normalization, _pair
 from conv2d.torch import eager, ops
 from conv2d.torch.graphs import COUNTS, CallGraphs
@@ -267,8 +268,7 @@ class Conv2dNormActivation(nn.Module):
         """x's rank, dtype, device and channels, in the module's layout's words."""
         layout = self.layout
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise ValueError(f"x: expected a 4-D ({', '.join(layout)}) tensor, got "
-                             f"{'a ' + type(x).__name__ + ' of shape ' + str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            raise ValueError(f"x: expected a 4-D ({', '.join(layout)}) tensor, got {describe(x)}")
         weight = self.conv.weight
         if x.dtype not in _DTYPES:
             raise TypeError(f"x: expected a float64, float32, float16 or bfloat16 tensor, got {x.dtype}")
@@ -279,8 +279,7 @@ class Conv2dNormActivation(nn.Module):
         channels = x.shape[1] if layout == "NCHW" else x.shape[3]
         if channels != c:
             want = f"(N, {c}, H, W)" if layout == "NCHW" else f"(N, H, W, {c})"
-            raise ValueError(f"x: expected a {layout} tensor of shape {want} ({c} input channels), got a "
-                             f"{type(x).__name__} of shape {tuple(x.shape)}")
+            raise ValueError(f"x: expected a {layout} tensor of shape {want} ({c} input channels), got {describe(x)}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.jit.is_tracing():
