@@ -12,7 +12,6 @@ from typing import Any, Iterator
 import numpy as np
 
 from conv2d.layer import Conv2d, check_step_optimizer, layer_locks, restoring, step_snapshot, training_step
-from conv2d.checks import input_spec
 from conv2d.spec import LayerSpec
 
 
@@ -78,11 +77,10 @@ class Sequential:
 
     def call_specs(self, x: Any) -> list[LayerSpec]:
         """Each layer's spec for a call on input `x`, checked through the whole stack (x's
-        shape for the first layer; for each further one, that the shape the one before
-        gives fits its kernel) before any layer runs: a stack that would fail at layer 3
-        fails here, with layers 0-2's running statistics unchanged. x's dtype and layout
-        are the first layer's to check, before it changes anything."""
-        call = input_spec("x", x, self.layers[0].spec)
+        shape, dtype and layout for the first layer; for each further one, that the shape
+        the one before gives fits its kernel) before any layer runs: a stack that would
+        fail at layer 3 fails here, with layers 0-2's running statistics unchanged."""
+        call = self.layers[0].functions.check_input("x", x)
         calls = [call]
         for i, layer in enumerate(self.layers[1:], 1):
             n, h, w, _ = call.output_shape
@@ -166,7 +164,6 @@ class Sequential:
         """The first layer's capture of `run`, every further layer held at the shape the
         one before gives it."""
         first = self.layers[0]
-        first.functions.check_input("x", inputs["x"])  # dtype and layout too, before the capture starts
         calls = self.call_specs(inputs["x"])
         followers = tuple((layer.functions, call) for layer, call in zip(self.layers[1:], calls[1:]))
         return first.functions.capture(run, inputs, snapshot, followers)
