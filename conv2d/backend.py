@@ -9,6 +9,7 @@ the functions read them in place and write only what the docstrings say.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
@@ -96,6 +97,25 @@ class Preallocating(Functions, Protocol):
                  want_input: bool = True, accumulate: Mapping[str, Any] | None = None,
                  grads_out: Mapping[str, Any] | None = None, d_x_out: Any = None) -> tuple[Any, Any]:
         """As Functions.backward; `grads_out` and `d_x_out` receive the gradients."""
+        ...
+
+    def deferred_frees(self) -> contextlib.AbstractContextManager:
+        """A context in which the backend frees no device memory (a free would invalidate
+        a CUDA graph being captured)."""
+        ...
+
+    def follow(self, a: Any) -> None:
+        """Make the stream a call on array `a` would run on the current one, ordered after
+        the calls before it (for a caller that replays captured calls on that stream)."""
+        ...
+
+    def release(self, resources: Any) -> None:
+        """Let go of the caller's arrays kept from the last call of one planned shape
+        (a Saved's `resources`)."""
+        ...
+
+    def release_all(self) -> None:
+        """Let go of every caller array kept from earlier calls."""
         ...
 
 

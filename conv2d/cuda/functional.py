@@ -388,6 +388,18 @@ class Functions:
             for launch in resources.launches.values():
                 launch.release()
 
+    def release_all(self) -> None:
+        """`release` for every planned shape, and the checked views of the caller's
+        parameter and running arrays dropped: afterwards the functions keep none of the
+        caller's tensors. For callers whose tensors come from a memory pool that may hold
+        only what they track (torch.compile's CUDA graph trees, mode="reduce-overhead",
+        where functionalisation hands the running statistics as fresh clones)."""
+        with self._lock:
+            for plan in self._plans.values():
+                for launch in plan.launches.values():
+                    launch.release()
+            self._views.clear()
+
     def deferred_frees(self) -> contextlib.AbstractContextManager:
         """A context in which numba frees no device memory, events or streams (it queues
         them): for calls inside a CUDA graph capture, which a free would invalidate."""

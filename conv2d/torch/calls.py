@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -57,6 +57,20 @@ def in_capture(fn: Any, x: Tensor) -> contextlib.AbstractContextManager:
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return fn.deferred_frees()
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def keeping_nothing(fn: Any, x: Tensor) -> Iterator[None]:
+    """For the registered ops: after the call, the CUDA functions keep none of the
+    tensors they were handed or made (`Functions.release_all`). Under torch.compile's
+    CUDA graph trees every live tensor in the graphs' memory pool must be an output of
+    the graph; a kept one fails the recording ("tensor(s) in the cudagraph pool not
+    tracked as outputs")."""
+    try:
+        yield
+    finally:
+        if x.is_cuda:
+            fn.release_all()
 
 
 def detached(*tensors: Optional[Tensor]) -> list:

@@ -18,7 +18,7 @@ bitwise; torch accumulates the gradients.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -124,9 +124,8 @@ class Conv2dNormActivation(nn.Module):
     `groups`, `padding_mode`, padding "same"/"valid", `affine`, `track_running_stats`,
     `momentum=None`. Any other keyword is a TypeError, as in PyTorch.
 
-    Works in eager mode, under torch.compile (any batch size, `dynamic` or not; a training
-    step under mode="reduce-overhead" does not work yet: CUDA graph trees report a saved
-    view of x overwritten) and torch.export (the exported program runs wherever conv2d is
+    Works in eager mode, under torch.compile (any batch size, `dynamic` or not,
+    mode="reduce-overhead" included) and torch.export (the exported program runs wherever conv2d is
     installed). Refused with a message: torch.jit.trace/script (use torch.compile or
     torch.export) and torch.func.vmap (batch the input instead). No second derivative: a
     double backward raises PyTorch's once_differentiable error.
@@ -324,18 +323,20 @@ class Conv2dNormActivation(nn.Module):
                                                    self._spec.batch_statistics(training), graphs,
                                                    ptrs if graphs is not None else ()))
         else:
-            # torch.compile and tensor subclasses: the registered ops, with the permutes in
-            # the graph.
-            # The weight goes in as (OC, IC, KH, KW) in channels_last memory and the op views
-            # it as (OC, KH, KW, IC): a view made in the graph would be an output aliasing the
-            # parameter, saved for backward, which reduce-overhead's CUDA graphs overwrote.
+            # torch.compile and tensor subclasses: the registered ops. x and the weight go in
+            # in the caller's layout (channels_last memory) and the ops view them as NHWC:
+            # a view made in the graph and saved for backward is what reduce-overhead's CUDA
+            # graph trees reported overwritten (the weight's, then x's).
             w = weight.contiguous(memory_format=torch.channels_last)
-            y = ops.Conv2dFunction.apply(x.permute(0, 2, 3, 1) if nchw else x, w, bias, gamma, beta, running_mean,
-                                         running_var, training, self._spec.batch_statistics(training),
-                                         self._op_key)
+            return self._counted(ops.Conv2dFunction.apply(x, w, bias, gamma, beta, running_mean, running_var,
+                                                          training, self._spec.batch_statistics(training), nchw,
+                                                          self._op_key), running_mean, training)
+        return self._counted(y.permute(0, 3, 1, 2) if nchw else y, running_mean, training)
+
+    def _counted(self, y: torch.Tensor, running_mean: Optional[torch.Tensor], training: bool) -> torch.Tensor:
         if running_mean is not None and training:
-            norm.num_batches_tracked.add_(1)  # after the call: a refused input counts no batch
-        return y.permute(0, 3, 1, 2) if nchw else y
+            self.norm.num_batches_tracked.add_(1)  # after the call: a refused input counts no batch
+        return y
 
 
 _DEFAULTS = {"dilation": 1, "groups": 1, "padding_mode": "zeros", "affine": True, "track_running_stats": True}

@@ -45,7 +45,7 @@ from torch import Tensor
 from conv2d.arrays import to_library
 from conv2d.backend import make_functions
 from conv2d.spec import LayerSpec, Normalization
-from conv2d.torch.calls import detached, first_order_only, in_capture, param_dict, saved_outputs
+from conv2d.torch.calls import detached, first_order_only, in_capture, keeping_nothing, param_dict, saved_outputs
 
 _FUNCTIONS: dict[str, Any] = {}  # key -> a backend's Functions; one per distinct layer, device and options
 _LOCK = threading.Lock()
@@ -95,25 +95,38 @@ def functions(key: str) -> Any:
 
 _LIB = torch.library.Library("conv2d", "DEF")
 _LIB.define("forward(Tensor x, Tensor weight, Tensor? bias, Tensor? gamma, Tensor? beta, Tensor(a!)? running_mean, "
-            "Tensor(b!)? running_var, bool training, str key) -> (Tensor, Tensor, Tensor, Tensor)")
+            "Tensor(b!)? running_var, bool training, bool nchw, str key) -> (Tensor, Tensor, Tensor, Tensor)")
 _LIB.define("backward(Tensor x, Tensor weight, Tensor? bias, Tensor? gamma, Tensor? beta, Tensor pre, Tensor mean, "
-            "Tensor inv_std, Tensor d_y, bool batch_stats, bool want_input, bool want_params, str key) "
+            "Tensor inv_std, Tensor d_y, bool batch_stats, bool want_input, bool want_params, bool nchw, str key) "
             "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
+def _nhwc(t: Tensor, nchw: bool) -> Tensor:
+    # A (N, C, H, W) tensor in channels_last memory viewed as (N, H, W, C): no copy. The
+    # view is made here, inside the op, and not in the caller's graph: a view of x saved
+    # for backward there is what reduce-overhead's CUDA graph trees report overwritten.
+    return t.permute(0, 2, 3, 1).contiguous() if nchw else t.contiguous()
+
+
+def _nchw(t: Tensor, nchw: bool) -> Tensor:
+    return t.permute(0, 3, 1, 2) if nchw else t
+
+
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor],
-            running_mean: Optional[Tensor], running_var: Optional[Tensor], training: bool,
+            running_mean: Optional[Tensor], running_var: Optional[Tensor], training: bool, nchw: bool,
             key: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(y, pre-activations, mean, inv_std) of x (N, H, W, C); mean and inv_std are empty
-    without a norm. Batch norm in training updates running_mean and running_var in place;
-    otherwise it normalises with them."""
+    """(y, pre-activations, mean, inv_std) of x (N, H, W, C), or of x (N, C, H, W) in
+    channels_last memory when `nchw` (y then (N, OC, OH, OW) in channels_last memory; the
+    pre-activations stay (N, OH, OW, OC)); mean and inv_std are empty without a norm.
+    Batch norm in training updates running_mean and running_var in place; otherwise it
+    normalises with them."""
     fn = functions(key)
-    x, weight, bias, gamma, beta = detached(x, weight.permute(0, 2, 3, 1), bias, gamma, beta)
+    x, weight, bias, gamma, beta = detached(_nhwc(x, nchw), weight.permute(0, 2, 3, 1), bias, gamma, beta)
     running = None if running_mean is None else {"running_mean": running_mean, "running_var": running_var}
     params = param_dict(weight, bias, gamma, beta)
     if x.is_cuda:
         saved_out = saved_outputs(fn, x)
-        with in_capture(fn, x):
+        with in_capture(fn, x), keeping_nothing(fn, x):
             y, _ = fn.forward(params, x, training, running, saved_out=saved_out)
         stats = [saved_out["mean"], saved_out["inv_std"]]
         pre = saved_out["pre"]
@@ -125,13 +138,13 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[T
     # The CUDA functions keep y (a prepared launch's argument, or a captured plan's tensor,
     # the same object every step), and autograd sets its grad_fn on the tensor it is
     # given: hand out an alias that they do not hold.
-    return y.detach(), pre, stats[0], stats[1]
+    return _nchw(y.detach(), nchw), pre, stats[0], stats[1]
 
 
-def _forward_fake(x, weight, bias, gamma, beta, running_mean, running_var, training, key):
+def _forward_fake(x, weight, bias, gamma, beta, running_mean, running_var, training, nchw, key):
     # Shapes by arithmetic on x's (possibly symbolic) sizes: no spec is made or hashed.
     spec = LayerSpec.from_dict(json.loads(key)["spec"]) if not key.startswith("object:") else functions(key).spec
-    n, h, w = x.shape[:3]
+    n, h, w = (x.shape[0], x.shape[2], x.shape[3]) if nchw else x.shape[:3]
     oh, ow = spec.output_size(h, w)
     norm = spec.normalization
     groups = spec.out_channels if norm is Normalization.BATCH_NORM else n if norm is Normalization.LAYER_NORM else 0
@@ -139,33 +152,39 @@ def _forward_fake(x, weight, bias, gamma, beta, running_mean, running_var, train
         groups = 1
     stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     shape = (n, oh, ow, spec.out_channels)
-    return (x.new_empty(shape), x.new_empty(shape), x.new_empty((groups,), dtype=stats_dtype),
+    y = x.new_empty(shape)
+    return (_nchw(y, nchw), x.new_empty(shape), x.new_empty((groups,), dtype=stats_dtype),
             x.new_empty((groups,), dtype=stats_dtype))
 
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor],
              pre: Tensor, mean: Tensor, inv_std: Tensor, d_y: Tensor, batch_stats: bool, want_input: bool,
-             want_params: bool, key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(d_x, d_weight, d_bias, d_gamma, d_beta), fresh; empty where not wanted or absent."""
+             want_params: bool, nchw: bool, key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(d_x, d_weight, d_bias, d_gamma, d_beta), fresh; empty where not wanted or absent.
+    x, d_y and d_x in the forward's layout (`nchw`); d_weight (OC, KH, KW, IC)."""
     fn = functions(key)
-    x, weight, bias, gamma, beta, d_y = detached(x, weight.permute(0, 2, 3, 1), bias, gamma, beta, d_y)
-    with in_capture(fn, x):
+    x, weight, bias, gamma, beta, d_y = detached(_nhwc(x, nchw), weight.permute(0, 2, 3, 1), bias, gamma, beta,
+                                                 _nhwc(d_y, nchw))
+    with in_capture(fn, x), keeping_nothing(fn, x):
         saved = fn.saved(x, pre, mean, inv_std, batch_stats)
         grads, d_x = fn.backward(param_dict(weight, bias, gamma, beta), saved, d_y, want_params, want_input)
     grads = grads or {}
 
     def got(a):  # outputs may not alias each other: a new empty tensor for each absent one
         return a if a is not None else x.new_empty(0)
-    return (got(d_x), got(grads.get("weights")), got(grads.get("bias")), got(grads.get("gamma")),
+    return (got(None if d_x is None else _nchw(d_x, nchw)), got(grads.get("weights")), got(grads.get("bias")), got(grads.get("gamma")),
             got(grads.get("beta")))
 
 
-def _backward_fake(x, weight, bias, gamma, beta, pre, mean, inv_std, d_y, batch_stats, want_input, want_params, key):
+def _backward_fake(x, weight, bias, gamma, beta, pre, mean, inv_std, d_y, batch_stats, want_input, want_params, nchw,
+                   key):
     def like(t, wanted):
         return t.new_empty(t.shape) if wanted and t is not None else x.new_empty(0)
+    d_x = _nchw(x.new_empty((x.shape[0], x.shape[2], x.shape[3], x.shape[1]) if nchw else x.shape), nchw) \
+        if want_input else x.new_empty(0)
     d_weight = weight.new_empty((weight.shape[0], weight.shape[2], weight.shape[3], weight.shape[1])) \
         if want_params else x.new_empty(0)  # (OC, KH, KW, IC)
-    return (like(x, want_input), d_weight, like(bias, want_params), like(gamma, want_params),
+    return (d_x, d_weight, like(bias, want_params), like(gamma, want_params),
             like(beta, want_params))
 
 
@@ -176,7 +195,8 @@ for _name, _impl, _fake in (("forward", forward, _forward_fake), ("backward", ba
 
 
 class Conv2dFunction(torch.autograd.Function):
-    """y (N, OH, OW, OC) of x (N, H, W, C) with autograd: `conv2d::forward`, and
+    """y (N, OH, OW, OC) of x (N, H, W, C) with autograd, or y (N, OC, OH, OW) of x
+    (N, C, H, W), both in channels_last memory, when `nchw`: `conv2d::forward`, and
     `conv2d::backward` for the gradients of x and of the four parameters. `batch_stats`:
     whether the norm normalises with the batch's statistics (the caller knows its spec;
     the key is not looked up here, which torch.compile would have to trace)."""
@@ -184,11 +204,11 @@ class Conv2dFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor],
                 beta: Optional[Tensor], running_mean: Optional[Tensor], running_var: Optional[Tensor],
-                training: bool, batch_stats: bool, key: str) -> Tensor:
+                training: bool, batch_stats: bool, nchw: bool, key: str) -> Tensor:
         y, pre, mean, inv_std = torch.ops.conv2d.forward(x, weight, bias, gamma, beta, running_mean, running_var,
-                                                         training, key)
+                                                         training, nchw, key)
         ctx.save_for_backward(x, weight, bias, gamma, beta, pre, mean, inv_std)
-        ctx.batch_stats, ctx.key = batch_stats, key
+        ctx.batch_stats, ctx.nchw, ctx.key = batch_stats, nchw, key
         return y
 
     @staticmethod
@@ -197,11 +217,12 @@ class Conv2dFunction(torch.autograd.Function):
         x, weight, bias, gamma, beta, pre, mean, inv_std = ctx.saved_tensors
         want_input = ctx.needs_input_grad[0]
         want_params = any(ctx.needs_input_grad[1:5])
-        # Autograd may hand d_y in another layout; the backends read C-contiguous (NHWC).
+        # Autograd may hand d_y in another memory format; the backends read NHWC memory.
+        d_y = d_y.contiguous(memory_format=torch.channels_last) if ctx.nchw else d_y.contiguous()
         d_x, d_w, d_b, d_g, d_be = torch.ops.conv2d.backward(x, weight, bias, gamma, beta, pre, mean, inv_std,
-                                                             d_y.contiguous(), ctx.batch_stats, want_input,
-                                                             want_params, ctx.key)
+                                                             d_y, ctx.batch_stats, want_input, want_params,
+                                                             ctx.nchw, ctx.key)
         return (d_x if want_input else None, d_w.permute(0, 3, 1, 2) if want_params else None,
                 d_b if want_params and bias is not None else None,
                 d_g if want_params and gamma is not None else None,
-                d_be if want_params and beta is not None else None, None, None, None, None, None)
+                d_be if want_params and beta is not None else None, None, None, None, None, None, None)
