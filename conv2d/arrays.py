@@ -36,7 +36,7 @@ def library(a: Any) -> str | None:
     return None
 
 
-def host_array(name: str, a: Any) -> tuple[np.ndarray, str]:
+def host_view(name: str, a: Any) -> tuple[np.ndarray, str]:
     """(a NumPy view of `a`, its library) for a NumPy array or a torch CPU tensor; no copy."""
     lib = library(a)
     if lib == NUMPY:
@@ -94,7 +94,7 @@ def content_mark(a: Any) -> tuple:
     if library(a) == TORCH:
         mark += (a._version,)
     try:
-        host, _ = host_array("a", a)
+        host, _ = host_view("a", a)
     except TypeError:
         return mark
     return mark + (zlib.crc32(np.ascontiguousarray(host).view(np.uint8).reshape(-1)),)
@@ -103,9 +103,28 @@ def content_mark(a: Any) -> tuple:
 def equal_host_arrays(a: Any, b: Any) -> bool:
     """Whether two host arrays (NumPy or torch CPU) hold the same values, bit for bit."""
     try:
-        x, _ = host_array("a", a)
-        y, _ = host_array("b", b)
+        x, _ = host_view("a", a)
+        y, _ = host_view("b", b)
     except TypeError:
         return False
     return (x.shape == y.shape and x.dtype == y.dtype
             and np.array_equal(np.ascontiguousarray(x).view(np.uint8), np.ascontiguousarray(y).view(np.uint8)))
+
+
+def to_host(a: Any, dtype: np.dtype | None = None) -> np.ndarray:
+    """`a`'s values as a NumPy array: `a` itself for a NumPy array, a host copy of a
+    numba, CuPy or torch array; with `dtype` bfloat16, arrays of uint16 bits (the CUDA
+    backend's bfloat16) are viewed as bfloat16."""
+    if isinstance(a, np.ndarray):
+        out = a
+    elif hasattr(a, "copy_to_host"):
+        out = a.copy_to_host()
+    elif hasattr(a, "get"):
+        out = a.get()
+    elif hasattr(a, "detach"):
+        out = host_view("a", a.detach().cpu())[0].copy()
+    else:
+        raise TypeError(f"to_host: cannot copy a {type(a).__name__} to the host")
+    if dtype is not None and out.dtype == np.uint16 and np.dtype(dtype) == BFLOAT16:
+        out = out.view(dtype)
+    return out

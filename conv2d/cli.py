@@ -48,8 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "an unknown name is an error that lists the known ones)")
     args = parser.parse_args(argv)
     if args.command == "check":
-        from conv2d import check
-        return check.run(args, parser)
+        from conv2d import golden_check
+        return golden_check.run(args, parser)
     _check_demo_arguments(parser, args)
     if args.backend == "cuda":
         from conv2d.cuda.runtime import CudaUnavailableError, require_gpu

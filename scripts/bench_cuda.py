@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import SHAPES, bench_spec, cases, flops, inputs  # noqa: E402
+from bench_shapes import provenance, SHAPES, bench_spec, cases, flops, inputs  # noqa: E402
 
 PEAK_FLOPS = {"float32": 67e12, "float16": 790e12, "bfloat16": 790e12}
 PEAK_BYTES = 4.3e12
@@ -363,7 +363,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     rows, tuned_lines = [], []
     lines = [f"# conv2d CUDA backend vs PyTorch {torch.__version__} on {torch.cuda.get_device_name()}: "
-             f"training step (forward + backward_full), median ms per step"]
+             f"training step (forward + backward_full), median ms per step", "", provenance(gpu=True)]
     if not args.no_steps:
         lines += ["", "## cuDNN's heuristic plans (ours by default; PyTorch cudnn.benchmark = False)", "",
                   "| shape | norm | dtype | ours eager wall | torch eager wall | ratio | ours eager GPU "

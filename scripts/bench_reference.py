@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import SHAPES, cases  # noqa: E402
+from bench_shapes import provenance, SHAPES, cases  # noqa: E402
 
 from conv2d import Conv2d  # noqa: E402
 
@@ -85,6 +85,7 @@ def main() -> None:
         blas = ", ".join(f"{i['internal_api']} {i.get('architecture', '')} x{i['num_threads']}" for i in threadpool_info())
         print(f"# reference vs PyTorch {torch.__version__} on the CPU, {args.threads} threads; NumPy "
               f"{np.__version__} BLAS: {blas}; median of {args.repeats} after 2 warm-ups, wall ms\n")
+        print(provenance(gpu=False) + "\n")
         print("| shape | norm | dtype | ours fwd | torch fwd | ratio | ours step | torch step | ratio |")
         print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name, bn, spec, x, dy in cases(args.shapes, args.dtypes):

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -62,3 +70,45 @@ def inputs(spec: LayerSpec) -> tuple[np.ndarray, np.ndarray]:
     x = rng.standard_normal(spec.input_shape, dtype=np.float32).astype(st)
     dy = rng.standard_normal(spec.output_shape, dtype=np.float32).astype(st)
     return x, dy
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def provenance(gpu: bool) -> str:
+    """Where a table comes from, as one Markdown paragraph: the command, the commit (git's,
+    else $CONV2D_COMMIT for a copy without .git), the date, the machine and the library
+    versions."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                          text=True).stdout.strip():
+            commit += " with uncommitted changes"
+    except (OSError, subprocess.CalledProcessError):
+        commit = os.environ.get("CONV2D_COMMIT", "unknown")
+    import numpy
+    import torch
+
+    command = " ".join(["python3", f"scripts/{Path(sys.argv[0]).name}", *map(shlex.quote, sys.argv[1:])])
+    parts = [f"Made by `{command}`",
+             f"commit {commit}", datetime.date.today().isoformat()]
+    if gpu:
+        import numba
+
+        free, total = torch.cuda.mem_get_info()
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True).stdout.strip() or "-"
+        parts += [f"{torch.cuda.get_device_name()} ({total / 2**30:.0f} GiB), driver {driver}",
+                  f"PyTorch {torch.__version__} (cuDNN {torch.backends.cudnn.version()})",
+                  f"numba {numba.__version__}, numba-cuda {_version('numba-cuda')}",
+                  f"nvidia-cudnn-frontend {_version('nvidia-cudnn-frontend')}", f"NumPy {numpy.__version__}"]
+    else:
+        parts += [f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                  f"PyTorch {torch.__version__}", f"NumPy {numpy.__version__}"]
+    return "; ".join(parts) + "."

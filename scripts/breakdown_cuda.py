@@ -26,10 +26,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_shapes import bench_spec, inputs  # noqa: E402
-from probe_cuda import gpu_ms  # noqa: E402
 
 # Values of (M, C) each row pass reads and writes: z, plus d_y, plus y or d_z.
-ROW_TRAFFIC = {"stats": 1, "apply": 2, "grads": 2, "dz": 3}
+ROW_TRAFFIC = {"batch_norm_statistics": 1, "normalise_and_activate": 2, "norm_gradients": 2, "grad_pre_activations": 3}
 
 
 def measure(spec, steps: int, config) -> tuple[dict[str, float], float, int]:
@@ -65,10 +64,7 @@ def measure(spec, steps: int, config) -> tuple[dict[str, float], float, int]:
         pieces.append((label, start, end))
 
     for (_, key), launch in impl.launches.items():
-        label = key
-        while isinstance(label, tuple):  # ((name, ...), narrow) for row kernels
-            label = label[0]
-        launch.label = label
+        launch.label = key.step
 
     Launch.__call__ = lambda self, **args: timed(getattr(self, "label", "kernel"), lambda: launch_call(self, **args))
     cudnn.Execution.run = lambda self: timed(self.graph.op, lambda: execute_run(self))
@@ -87,7 +83,28 @@ def measure(spec, steps: int, config) -> tuple[dict[str, float], float, int]:
         Launch.__call__, cudnn.Execution.run = launch_call, execute_run
 
     graph = layer.capture(x, dy)
-    return {k: statistics.median(v) for k, v in per.items()}, gpu_ms(cuda, stream, graph.replay, steps), next(iter(impl._plans.values())).P
+    medians = {k: statistics.median(v) for k, v in per.items()}
+    return medians, gpu_ms(cuda, stream, graph.replay, steps), plan_blocks(impl)
+
+
+def gpu_ms(cuda, stream, fn, n: int = 10) -> float:
+    """GPU ms of one call of `fn` on `stream`: CUDA events around n calls, median of 3."""
+    fn()
+    rounds = []
+    for _ in range(3):
+        start, end = cuda.event(), cuda.event()
+        start.record(stream)
+        for _ in range(n):
+            fn()
+        end.record(stream)
+        end.synchronize()
+        rounds.append(cuda.event_elapsed_time(start, end) / n)
+    return statistics.median(rounds)
+
+
+def plan_blocks(impl) -> int:
+    """The row kernels' block count of the layer's planned shape."""
+    return next(iter(impl._plans.values())).P
 
 
 def main() -> None:

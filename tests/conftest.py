@@ -32,6 +32,25 @@ from conv2d import Conv2d, LayerSpec
 GOLDEN_DIR = Path(conv2d.__file__).parent / "golden"  # shipped in the package: `conv2d check` runs them
 
 
+def spec_for(activation: str = "relu", normalization: str = "batch_norm", dtype: str = "float32",
+             **fields) -> LayerSpec:
+    """A small layer: N=4, 12x10 input, 5 -> 6 channels, 3x3 kernel, padding 1, with
+    `activation`, `normalization` and `dtype`; `fields` set any other LayerSpec field."""
+    base = dict(batch_size=4, in_height=12, in_width=10, in_channels=5, out_channels=6, kernel=3, stride=1,
+                padding=1)
+    base.update(fields)
+    return LayerSpec(activation=activation, normalization=normalization, dtype=dtype, **base)
+
+
+def small_layer_spec(**fields) -> LayerSpec:
+    """The smaller layer most single-behaviour tests use: N=2, 6x5 input, 3 -> 4 channels,
+    3x3 kernel, padding 1, ReLU, batch norm, float32; `fields` set any other field."""
+    base = dict(batch_size=2, in_height=6, in_width=5, in_channels=3, out_channels=4, kernel=3, padding=1,
+                activation="relu", normalization="batch_norm", dtype="float32")
+    base.update(fields)
+    return LayerSpec(**base)
+
+
 def make_layer(spec: LayerSpec, seed: int = 0, backend: str = "reference", **options) -> Conv2d:
     """A layer with PyTorch-style random weights and non-trivial norm parameters."""
     layer = Conv2d(spec, backend, **options)
@@ -66,8 +85,7 @@ def assert_same_gradients(a, b) -> None:
 
 @pytest.fixture
 def small_spec() -> LayerSpec:
-    return LayerSpec(batch_size=2, in_height=6, in_width=5, in_channels=3, out_channels=4, kernel=3,
-                     padding=1, activation="tanh", normalization="batch_norm", dtype="float64")
+    return small_layer_spec(activation="tanh", dtype="float64")
 
 
 def rewrite_npz(path, change):

@@ -9,8 +9,13 @@ import pytest
 
 from conv2d import backend
 
-CONTRACT = [name for name, member in vars(backend.Functions).items()
-            if callable(member) and not name.startswith("_")]
+def _declared(protocol):
+    """The functions a protocol of conv2d.backend declares, its bases' included."""
+    return sorted({name for cls in protocol.__mro__ if cls.__module__ == backend.__name__
+                   for name, member in vars(cls).items() if callable(member) and not name.startswith("_")})
+
+
+CONTRACT = _declared(backend.Functions)
 
 
 def _backend_class(name):
@@ -32,17 +37,20 @@ def test_the_contract_names_every_function_a_layer_and_the_optimizers_call():
             "from_host", "write", "read", "zero"} <= set(CONTRACT)
 
 
-@pytest.mark.parametrize("protocol", ["Functions", "Preallocating"])
-@pytest.mark.parametrize("name", ["reference", "cuda"])
+@pytest.mark.parametrize("name, protocol", [("reference", "Functions"), ("cuda", "Functions"),
+                                            ("cuda", "Preallocating")])
 def test_a_backend_provides_each_contract_function_with_its_parameters(name, protocol):
-    if protocol == "Preallocating" and name == "reference":
-        pytest.skip("the preallocating extension is the CUDA backend's")
     declared = getattr(backend, protocol)
     cls = _backend_class(name)
-    for function in CONTRACT:
+    for function in _declared(declared):
         want = _parameters(getattr(declared, function))
         got = _parameters(getattr(cls, function))
         # An extension may add keyword parameters after the declared ones, with defaults.
         assert got[:len(want)] == want, f"{name}.{function}: {got} != declared {want}"
         assert all(not required for _, _, required in got[len(want):]), f"{name}.{function}: {got[len(want):]}"
     assert cls.name == name
+
+
+def test_the_preallocating_extension_declares_what_conv2d_torch_calls_beyond_the_contract():
+    assert {"deferred_frees", "follow", "release", "release_all"} <= set(_declared(backend.Preallocating)) - set(
+        CONTRACT)

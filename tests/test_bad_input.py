@@ -3,11 +3,10 @@
 import numpy as np
 import pytest
 
-from conftest import make_layer, random_inputs
-from conv2d import Conv2d, LayerSpec
+from conftest import make_layer, random_inputs, small_layer_spec
+from conv2d import Conv2d
 
-SPEC = LayerSpec(batch_size=2, in_height=5, in_width=5, in_channels=3, out_channels=4, kernel=3,
-                 padding=1, activation="relu", normalization="batch_norm", dtype="float32")
+SPEC = small_layer_spec(in_height=5, in_width=5)
 
 
 def snapshot(layer):

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import GOLDEN_DIR, HAVE_GPU, NO_GPU_REASON, make_layer, random_inputs
+from conftest import GOLDEN_DIR, HAVE_GPU, NO_GPU_REASON, make_layer, random_inputs, spec_for
 from conv2d import Activation, Conv2d, LayerSpec
 
 pytestmark = pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
 if HAVE_GPU:
     from conv2d.dtypes import storage_dtype
     from conv2d.testing import assert_close, cancellation_scales, reduction_lengths
-    from conv2d.host import as_numpy
+    from conv2d.arrays import to_host
     from conv2d.testing.golden import MODES, check_case, golden_files, load_case, run_case
 
     FILES = golden_files(GOLDEN_DIR)
@@ -34,17 +34,10 @@ def torch_cuda(torch, a, dtype):
     return torch.from_numpy(a.astype(np.float32)).to(device="cuda", dtype=tdt)
 
 
-def spec_for(act="relu", norm="batch_norm", dtype="float32", **kw):
-    fields = dict(batch_size=4, in_height=12, in_width=10, in_channels=5, out_channels=6, kernel=3, stride=1,
-                  padding=1, activation=act, normalization=norm, dtype=dtype)
-    fields.update(kw)
-    return LayerSpec(**fields)
-
-
 def step(layer, x, dy, training=True):
     st = storage_dtype(layer.spec.dtype)
-    y = as_numpy(layer.forward(x, training=training), st).copy()
-    dx = as_numpy(layer.backward_full(x, dy), st).copy()
+    y = to_host(layer.forward(x, training=training), st).copy()
+    dx = to_host(layer.backward_full(x, dy), st).copy()
     return y, dx, layer.grad_dict(), layer.state_dict()
 
 
@@ -83,7 +76,7 @@ def test_cuda_matches_the_float64_reference_on_identical_inputs(act, norm, dtype
     for k in ("running_mean", "running_var"):
         if k in state:
             assert_close(k, state[k], ref.state_dict()[k], dtype, lengths[k])
-    assert_close("evaluate", as_numpy(cuda_layer.evaluate(x), storage_dtype(spec.dtype)), ref.evaluate(x64),
+    assert_close("evaluate", to_host(cuda_layer.evaluate(x), storage_dtype(spec.dtype)), ref.evaluate(x64),
                  dtype, lengths["y"])
 
 
@@ -104,9 +97,9 @@ def test_backward_input_matches_backward_full_and_leaves_gradients(norm):
     layer = make_layer(spec, backend="cuda")
     x, dy = random_inputs(spec)
     layer.forward(x)
-    dx_only = as_numpy(layer.backward_input(dy)).copy()
+    dx_only = to_host(layer.backward_input(dy)).copy()
     assert all((g == 0).all() for g in layer.grad_dict().values())
-    np.testing.assert_array_equal(as_numpy(layer.backward_full(x, dy)), dx_only)
+    np.testing.assert_array_equal(to_host(layer.backward_full(x, dy)), dx_only)
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -185,8 +178,8 @@ def test_torch_tensors_are_used_without_a_copy(dtype):
                         _no_copy)
     assert view.__cuda_array_interface__["data"][0] == xt.data_ptr()
     torch.cuda.synchronize()
-    np.testing.assert_array_equal(as_numpy(layer.forward(xt), storage_dtype(spec.dtype)),
-                                  as_numpy(layer.forward(x), storage_dtype(spec.dtype)))
+    np.testing.assert_array_equal(to_host(layer.forward(xt), storage_dtype(spec.dtype)),
+                                  to_host(layer.forward(x), storage_dtype(spec.dtype)))
 
 
 @pytest.mark.parametrize("shape", [(4, 12, 10, 5), (7,)], ids=["4d", "1d"])
@@ -249,7 +242,7 @@ def test_cupy_arrays_are_used_without_a_copy():
                         _no_copy)
     assert view.__cuda_array_interface__["data"][0] == xc.data.ptr
     cp.cuda.Device().synchronize()
-    np.testing.assert_array_equal(as_numpy(layer.forward(xc)), as_numpy(layer.forward(x)))
+    np.testing.assert_array_equal(to_host(layer.forward(xc)), to_host(layer.forward(x)))
 
 
 def test_bad_device_inputs_are_rejected_before_any_launch():
@@ -287,9 +280,9 @@ def test_float32_is_exact_fp32_unless_tf32_is_allowed():
     ref = Conv2d(dataclasses.replace(spec, dtype="float64"))
     ref.load_state_dict({k: v.astype(np.float64) for k, v in layer.state_dict().items()})
     want = ref.forward(x.astype(np.float64))
-    assert_close("fp32", as_numpy(layer.forward(x)), want, "float32", spec.fan_in)
+    assert_close("fp32", to_host(layer.forward(x)), want, "float32", spec.fan_in)
     tf32 = make_layer(spec, backend="cuda", allow_tf32=True)
-    err = np.abs(as_numpy(tf32.forward(x)) - want).max() / np.abs(want).max()
+    err = np.abs(to_host(tf32.forward(x)) - want).max() / np.abs(want).max()
     assert err < 1e-2  # TF32 is allowed to be coarser, not wrong
 
 
@@ -393,11 +386,11 @@ def test_a_captured_step_replays_bitwise_like_eager_steps(norm, dtype):
         np.testing.assert_array_equal(captured.state_dict()[k], v, err_msg=k)
     st = storage_dtype(spec.dtype)
     for _ in range(2):
-        y = as_numpy(eager.forward(xe, training=True), st)
-        dx = as_numpy(eager.backward_full(xe, dye), st)
+        y = to_host(eager.forward(xe, training=True), st)
+        dx = to_host(eager.backward_full(xe, dye), st)
         graph.replay()
-        np.testing.assert_array_equal(as_numpy(graph.outputs["y"], st).view(np.uint8), y.view(np.uint8))
-        np.testing.assert_array_equal(as_numpy(graph.outputs["d_x"], st).view(np.uint8), dx.view(np.uint8))
+        np.testing.assert_array_equal(to_host(graph.outputs["y"], st).view(np.uint8), y.view(np.uint8))
+        np.testing.assert_array_equal(to_host(graph.outputs["d_x"], st).view(np.uint8), dx.view(np.uint8))
     for a, b in ((eager.grad_dict(), captured.grad_dict()), (eager.state_dict(), captured.state_dict())):
         for k in a:
             np.testing.assert_array_equal(b[k].view(np.uint8), a[k].view(np.uint8), err_msg=k)
@@ -500,10 +493,10 @@ def test_a_graphs_write_and_read_refuse_what_does_not_fit_before_any_copy():
         graph.write("x", x.astype(np.float32))
     with pytest.raises(ValueError, match=r"^read: expected one of \['y'\] .*, got 'd_x'"):
         graph.read("d_x")
-    assert not as_numpy(xc).any()  # nothing was copied
+    assert not to_host(xc).any()  # nothing was copied
     graph.write("x", x)
     graph.replay()
-    np.testing.assert_array_equal(graph.read("y"), as_numpy(make_layer(spec, backend="cuda").evaluate(x)))
+    np.testing.assert_array_equal(graph.read("y"), to_host(make_layer(spec, backend="cuda").evaluate(x)))
 
 
 def test_a_replay_reads_new_values_written_into_the_captured_inputs():
@@ -515,8 +508,8 @@ def test_a_replay_reads_new_values_written_into_the_captured_inputs():
     x2 = (x * 2 + 1).astype(x.dtype)
     xc.copy_to_device(x2)
     graph.replay()
-    want = as_numpy(make_layer(spec, backend="cuda").evaluate(x2))
-    np.testing.assert_array_equal(as_numpy(graph.outputs["y"]), want)
+    want = to_host(make_layer(spec, backend="cuda").evaluate(x2))
+    np.testing.assert_array_equal(to_host(graph.outputs["y"]), want)
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
@@ -531,15 +524,15 @@ def test_the_direct_evaluate_kernel_on_the_gpu_repeats_bitwise_captures_and_agre
     st = storage_dtype(spec.dtype)
     tol = 1e-5 if dtype == "float32" else 2e-2
     for batch in (x[:1], x):
-        first = as_numpy(direct.evaluate(batch), st).copy()
-        np.testing.assert_array_equal(as_numpy(direct.evaluate(batch), st).view(np.uint8), first.view(np.uint8))
-        np.testing.assert_allclose(first.astype(np.float64), as_numpy(default.evaluate(batch), st).astype(np.float64),
+        first = to_host(direct.evaluate(batch), st).copy()
+        np.testing.assert_array_equal(to_host(direct.evaluate(batch), st).view(np.uint8), first.view(np.uint8))
+        np.testing.assert_allclose(first.astype(np.float64), to_host(default.evaluate(batch), st).astype(np.float64),
                                    rtol=tol, atol=tol)
     xc, _ = _device_pair(spec, x, dy)
     graph = direct.capture_evaluate(xc)
     graph.replay()
-    np.testing.assert_array_equal(as_numpy(graph.outputs["y"], st).view(np.uint8),
-                                  as_numpy(make_layer(spec, backend="cuda", evaluate_kernel="direct").evaluate(x),
+    np.testing.assert_array_equal(to_host(graph.outputs["y"], st).view(np.uint8),
+                                  to_host(make_layer(spec, backend="cuda", evaluate_kernel="direct").evaluate(x),
                                            st).view(np.uint8))
 
 
@@ -602,15 +595,15 @@ def test_eager_outputs_are_fresh_arrays_each_call(norm):
     layer = make_layer(spec, backend="cuda")
     x, dy = _device_pair(spec, *random_inputs(spec))
     y1 = layer.forward(x)
-    first = as_numpy(y1).copy()
+    first = to_host(y1).copy()
     dx1 = layer.backward_full(x, dy)
-    first_dx = as_numpy(dx1).copy()
-    x2, dy2 = _device_pair(spec, (2 * as_numpy(x)).astype(first.dtype), (3 * as_numpy(dy)).astype(first.dtype))
+    first_dx = to_host(dx1).copy()
+    x2, dy2 = _device_pair(spec, (2 * to_host(x)).astype(first.dtype), (3 * to_host(dy)).astype(first.dtype))
     y2 = layer.forward(x2)
     dx2 = layer.backward_full(x2, dy2)
     assert device_pointer(y1) != device_pointer(y2) and device_pointer(dx1) != device_pointer(dx2)
-    np.testing.assert_array_equal(as_numpy(y1), first)
-    np.testing.assert_array_equal(as_numpy(dx1), first_dx)
+    np.testing.assert_array_equal(to_host(y1), first)
+    np.testing.assert_array_equal(to_host(dx1), first_dx)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -651,10 +644,10 @@ def test_torch_cuda_tensors_give_torch_tensors_from_torchs_allocator(dtype):
     assert layer._saved.x.__cuda_array_interface__["data"][0] == xt.data_ptr()  # no copy of the input
     d_x = layer.backward_full(xt, dyt)
     assert isinstance(d_x, torch.Tensor) and d_x.dtype == tdt and tuple(d_x.shape) == spec.input_shape
-    want = step(make_layer(spec, backend="cuda"), as_numpy(xt), as_numpy(dyt))
+    want = step(make_layer(spec, backend="cuda"), to_host(xt), to_host(dyt))
     st = storage_dtype(spec.dtype)
-    np.testing.assert_array_equal(as_numpy(y, st).view(np.uint8), want[0].view(np.uint8))
-    np.testing.assert_array_equal(as_numpy(d_x, st).view(np.uint8), want[1].view(np.uint8))
+    np.testing.assert_array_equal(to_host(y, st).view(np.uint8), want[0].view(np.uint8))
+    np.testing.assert_array_equal(to_host(d_x, st).view(np.uint8), want[1].view(np.uint8))
 
 
 def test_torch_tensors_run_on_torchs_current_stream():
@@ -673,8 +666,8 @@ def test_torch_tensors_run_on_torchs_current_stream():
         d_x = layer.backward_full(xt, dyt)
     side.synchronize()
     want = step(make_layer(spec, backend="cuda"), x, dy)
-    np.testing.assert_array_equal(as_numpy(y), want[0])
-    np.testing.assert_array_equal(as_numpy(d_x), want[1])
+    np.testing.assert_array_equal(to_host(y), want[0])
+    np.testing.assert_array_equal(to_host(d_x), want[1])
     layer.forward(x)  # a NumPy input goes back to the layer's own stream
     assert layer.functions.current_stream is layer.functions.stream
 
@@ -740,12 +733,12 @@ def test_caller_owned_torch_parameters_are_read_in_place_and_gradients_come_back
     y, saved = fn.forward(params, xt, True, running)
     grads, d_x = fn.backward(params, saved, dyt)
     assert all(isinstance(g, torch.Tensor) and tuple(g.shape) == tuple(params[k].shape) for k, g in grads.items())
-    np.testing.assert_array_equal(as_numpy(y), as_numpy(layer.forward(x)))
-    np.testing.assert_array_equal(as_numpy(d_x), as_numpy(layer.backward_full(x, dy)))
+    np.testing.assert_array_equal(to_host(y), to_host(layer.forward(x)))
+    np.testing.assert_array_equal(to_host(d_x), to_host(layer.backward_full(x, dy)))
     for k, g in layer.grad_dict().items():
-        np.testing.assert_array_equal(as_numpy(grads[k]), g, err_msg=k)
+        np.testing.assert_array_equal(to_host(grads[k]), g, err_msg=k)
     for k in RUNNING:
-        np.testing.assert_array_equal(as_numpy(running[k]), layer.state_dict()[k], err_msg=k)
+        np.testing.assert_array_equal(to_host(running[k]), layer.state_dict()[k], err_msg=k)
 
 
 def test_a_frozen_layer_refuses_a_backward_of_an_overwritten_forward():
@@ -778,8 +771,8 @@ def test_a_capture_after_other_batch_sizes_replays_at_the_planned_one():
     graph = layer.capture(xc, dyc)
     graph.replay()
     want = step(eager, x, dy)
-    np.testing.assert_array_equal(as_numpy(graph.outputs["y"]), want[0])
-    np.testing.assert_array_equal(as_numpy(graph.outputs["d_x"]), want[1])
+    np.testing.assert_array_equal(to_host(graph.outputs["y"]), want[0])
+    np.testing.assert_array_equal(to_host(graph.outputs["d_x"]), want[1])
 
 
 # The PyTorch module on the GPU ----------------------------------------------------------------

@@ -14,7 +14,7 @@ import ml_dtypes  # noqa: E402
 from conv2d import Conv2d  # noqa: E402
 from conv2d.cuda import kernels as K  # noqa: E402
 from conv2d.cuda.runtime import numba_cuda  # noqa: E402
-from conv2d.host import as_numpy  # noqa: E402
+from conv2d.arrays import to_host  # noqa: E402
 from conv2d.testing.golden import MODES, check_case, golden_files, load_case, run_case  # noqa: E402
 from host_convolutions import HostConvolutions  # noqa: E402
 
@@ -33,8 +33,8 @@ def cuda_layer(spec, seed=0, **options):
 
 def assert_step_matches(ours, ref, x, dy):
     """forward and backward_full of the CUDA layer agree with the reference's."""
-    np.testing.assert_allclose(as_numpy(ours.forward(x)), ref.forward(x), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(as_numpy(ours.backward_full(x, dy)), ref.backward_full(x, dy), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(to_host(ours.forward(x)), ref.forward(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(to_host(ours.backward_full(x, dy)), ref.backward_full(x, dy), rtol=1e-4, atol=1e-5)
 
 
 def assert_grads_and_state_match(ours, ref, bias_atol=1e-5):
@@ -96,10 +96,10 @@ def test_evaluate_keeps_the_forward_cache(monkeypatch):
     layer = cuda_layer(spec)
     x, dy = random_inputs(spec)
     layer.forward(x, training=True)
-    pre = as_numpy(layer.pre_activations).copy()
+    pre = to_host(layer.pre_activations).copy()
     before = layer.state_dict()
     layer.evaluate(x * 3)
-    np.testing.assert_array_equal(as_numpy(layer.pre_activations), pre)
+    np.testing.assert_array_equal(to_host(layer.pre_activations), pre)
     for k, v in layer.state_dict().items():
         np.testing.assert_array_equal(v, before[k], err_msg=k)
 
@@ -168,8 +168,9 @@ def test_a_d_y_off_eight_byte_alignment_gives_the_same_bits(dtype):
         layer = cuda_layer(spec)
         assert layer.functions.lanes > 1
         layer.forward(x)
-        results.append((as_numpy(layer.backward_full(x, d_y)), layer.grad_dict()))
-        narrow = [key[1] for _, key in layer.functions.launches if isinstance(key, tuple) and key[0][0] in ("grads", "dz")]
+        results.append((to_host(layer.backward_full(x, d_y)), layer.grad_dict()))
+        narrow = [key.narrow for _, key in layer.functions.launches
+                  if key.step in ("norm_gradients", "grad_pre_activations")]
         assert narrow and all(narrow) == (d_y is offset)
     np.testing.assert_array_equal(results[0][0], results[1][0])
     for k, g in results[0][1].items():
@@ -200,7 +201,7 @@ def test_fresh_gradients_are_written_whole_not_added_to_unzeroed_memory(monkeypa
     _, ref_saved = ref.functions.forward(ref_params, x, True)
     want, _ = ref.functions.backward(ref_params, ref_saved, dy)
     for k, g in want.items():
-        np.testing.assert_allclose(as_numpy(grads[k]), g, rtol=1e-4, atol=1e-4, err_msg=k)
+        np.testing.assert_allclose(to_host(grads[k]), g, rtol=1e-4, atol=1e-4, err_msg=k)
 
 
 def test_fast_paths_must_be_a_bool():
@@ -237,10 +238,10 @@ def test_the_simple_kernels_run_the_layer_as_the_reference_and_the_fast_kernels(
     x, dy = random_inputs(spec)
     got = {}
     for name, layer in (("simple", simple_layer), ("fast", fast_layer), ("reference", ref)):
-        y = as_numpy(layer.forward(x))
-        dx = as_numpy(layer.backward_full(x, dy))
+        y = to_host(layer.forward(x))
+        dx = to_host(layer.backward_full(x, dy))
         got[name] = {"y": y, "d_x": dx, **{f"d_{k}": v for k, v in layer.grad_dict().items()},
-                     **layer.state_dict(), "evaluate": as_numpy(layer.evaluate(x))}
+                     **layer.state_dict(), "evaluate": to_host(layer.evaluate(x))}
     # Against the largest value of each result, at least 1: a bias gradient under batch
     # norm sums 90 terms of O(1) to about zero, and two summation orders of those differ by
     # about 90 float32 roundings of O(1) (1.4e-5 seen on the H200, gelu-batch_norm), which
@@ -281,9 +282,9 @@ def test_a_layer_with_other_launch_settings_matches_the_reference():
                             row_blocks=5)
     ours, ref = cuda_layer(spec, launch_config=config), make_layer(spec, backend="reference")
     x, dy = random_inputs(spec)
-    y, want = as_numpy(ours.forward(x)).astype(np.float32), ref.forward(x).astype(np.float32)
+    y, want = to_host(ours.forward(x)).astype(np.float32), ref.forward(x).astype(np.float32)
     np.testing.assert_allclose(y, want, rtol=2e-2, atol=2e-2)
-    dx, want_dx = as_numpy(ours.backward_full(x, dy)).astype(np.float32), ref.backward_full(x, dy).astype(np.float32)
+    dx, want_dx = to_host(ours.backward_full(x, dy)).astype(np.float32), ref.backward_full(x, dy).astype(np.float32)
     np.testing.assert_allclose(dx, want_dx, rtol=3e-2, atol=3e-2)
 
 
@@ -348,8 +349,8 @@ def test_the_direct_evaluate_kernel_agrees_with_the_reference_and_the_cudnn_path
     x, _ = random_inputs(spec)
     tol = 1e-5 if dtype == "float32" else 2e-2
     for batch in (x[:1], x):
-        got = as_numpy(direct.evaluate(batch)).astype(np.float64)
-        for other in (ref.evaluate(batch), as_numpy(default.evaluate(batch))):
+        got = to_host(direct.evaluate(batch)).astype(np.float64)
+        for other in (ref.evaluate(batch), to_host(default.evaluate(batch))):
             np.testing.assert_allclose(got, np.asarray(other, np.float64), rtol=tol, atol=tol)
 
 

@@ -11,22 +11,22 @@ import numpy as np
 import pytest
 
 import conv2d
-from conftest import HAVE_GPU, assert_same_gradients, make_layer, random_inputs
+from conftest import HAVE_GPU, assert_same_gradients, make_layer, random_inputs, spec_for
 from conv2d import Conv2d, LayerSpec
 from conv2d.dtypes import storage_dtype
-from conv2d.host import as_numpy
+from conv2d.arrays import to_host
 from conv2d.state import RUNNING, split_state
 
 BACKENDS = ["reference", "cuda"]
 NORMS = ["none", "batch_norm", "layer_norm"]
 
 
-def spec_for(norm="batch_norm", backend="reference", batch_size=4, **kw):
-    fields = dict(batch_size=batch_size, in_height=5, in_width=4, in_channels=2, out_channels=3, kernel=3,
-                  padding=1, activation="tanh", normalization=norm,
-                  dtype="float64" if backend == "reference" else "float32")
-    fields.update(kw)
-    return LayerSpec(**fields)
+def functional_spec(norm="batch_norm", backend="reference", **fields):
+    """This file's layer (N=4, 5x4, 2 -> 3 channels, tanh), float64 on the reference
+    backend and float32 on the CUDA one; `fields` set any other field."""
+    fields = dict(dict(batch_size=4, in_height=5, in_width=4, in_channels=2, out_channels=3, activation="tanh",
+                       dtype="float64" if backend == "reference" else "float32"), **fields)
+    return spec_for(normalization=norm, **fields)
 
 
 def layer_on(backend, spec, seed=0):
@@ -45,8 +45,8 @@ def inputs_at(spec, n, seed=1):
 
 def train_step(layer, x, dy):
     st = storage_dtype(layer.spec.dtype)
-    y = as_numpy(layer.forward(x, training=True), st).copy()
-    dx = as_numpy(layer.backward_full(x, dy), st).copy()
+    y = to_host(layer.forward(x, training=True), st).copy()
+    dx = to_host(layer.backward_full(x, dy), st).copy()
     return y, dx, layer.grad_dict(), layer.state_dict()
 
 
@@ -69,19 +69,19 @@ def assert_same(got, want, exact):
 @pytest.mark.parametrize("n", [1, 3, 4])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_any_batch_size_equals_a_layer_planned_for_it(backend, n, norm):
-    spec = spec_for(norm, backend, batch_size=4)
+    spec = functional_spec(norm, backend, batch_size=4)
     x, dy = inputs_at(spec, n)
     ours = layer_on(backend, spec)
     planned = layer_on(backend, dataclasses.replace(spec, batch_size=n))
     st = storage_dtype(spec.dtype)
-    np.testing.assert_array_equal(as_numpy(ours.evaluate(x), st), as_numpy(planned.evaluate(x), st))
+    np.testing.assert_array_equal(to_host(ours.evaluate(x), st), to_host(planned.evaluate(x), st))
     assert_same(train_step(ours, x, dy), train_step(planned, x, dy), exact=backend == "cuda")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_batch_sizes_alternate_through_the_same_weights(backend):
     # RL: act with batch 1, train with batch 4, act again, all on one layer.
-    spec = spec_for("batch_norm", backend, batch_size=4)
+    spec = functional_spec("batch_norm", backend, batch_size=4)
     layer, alone = layer_on(backend, spec), layer_on(backend, spec)
     obs, _ = inputs_at(spec, 1, seed=5)
     x, dy = inputs_at(spec, 4)
@@ -89,12 +89,12 @@ def test_batch_sizes_alternate_through_the_same_weights(backend):
     layer.evaluate(obs)
     got = train_step(layer, x, dy)
     assert_same(got, train_step(alone, x, dy), exact=True)  # acting changed nothing
-    np.testing.assert_array_equal(as_numpy(layer.evaluate(obs), st), as_numpy(alone.evaluate(obs), st))
+    np.testing.assert_array_equal(to_host(layer.evaluate(obs), st), to_host(alone.evaluate(obs), st))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_other_input_heights_and_widths_are_accepted(backend):
-    spec = spec_for("layer_norm", backend)
+    spec = functional_spec("layer_norm", backend)
     other = dataclasses.replace(spec, in_height=7, in_width=3)
     x, dy = random_inputs(other)
     layer, planned = layer_on(backend, spec), layer_on(backend, other)
@@ -104,7 +104,7 @@ def test_other_input_heights_and_widths_are_accepted(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_input_the_kernel_does_not_fit_is_refused_naming_x(backend):
-    layer = layer_on(backend, spec_for("none", backend, kernel=3, padding=0))
+    layer = layer_on(backend, functional_spec("none", backend, kernel=3, padding=0))
     x = np.zeros((2, 2, 4, 2), storage_dtype(layer.spec.dtype))
     with pytest.raises(ValueError, match=r"^x: the kernel \(3, 3\) with padding \(0, 0\) does not fit an input of "
                                          r"height 2 and width 4"):
@@ -114,7 +114,7 @@ def test_an_input_the_kernel_does_not_fit_is_refused_naming_x(backend):
 @pytest.mark.parametrize("bad", ["not an array", [[1.0]], None], ids=["str", "list", "None"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_input_that_is_no_array_is_refused_naming_x(backend, bad):
-    layer = layer_on(backend, spec_for("none", backend))
+    layer = layer_on(backend, functional_spec("none", backend))
     with pytest.raises(TypeError, match="^x: expected a numpy.ndarray"):
         layer.forward(bad)
     with pytest.raises(TypeError, match="^x: expected a numpy.ndarray"):
@@ -122,7 +122,7 @@ def test_an_input_that_is_no_array_is_refused_naming_x(backend, bad):
 
 
 def test_a_spec_may_plan_no_batch():
-    spec = spec_for("batch_norm", batch_size=None)
+    spec = functional_spec("batch_norm", batch_size=None)
     layer = make_layer(spec)
     x, dy = inputs_at(spec, 3)
     layer.forward(x)
@@ -139,7 +139,7 @@ def test_spec_fields_are_keyword_only():
 # Saved values belong to one forward ---------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backward_with_an_input_other_than_the_last_forwards_raises(backend):
-    spec = spec_for("batch_norm", backend)
+    spec = functional_spec("batch_norm", backend)
     layer = layer_on(backend, spec)
     s, dy = inputs_at(spec, 4, seed=1)
     s_next, _ = inputs_at(spec, 4, seed=2)
@@ -154,7 +154,7 @@ def test_backward_with_an_input_other_than_the_last_forwards_raises(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backward_accepts_an_equal_copy_of_a_host_input(backend):
-    spec = spec_for("none", backend)
+    spec = functional_spec("none", backend)
     a, b = layer_on(backend, spec), layer_on(backend, spec)
     x, dy = inputs_at(spec, 2)
     a.forward(x)
@@ -167,7 +167,7 @@ def test_backward_accepts_an_equal_copy_of_a_host_input(backend):
 @pytest.mark.parametrize("change", ["load_state_dict", "init_weights", "parameters_changed"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backward_after_the_parameters_changed_raises(backend, change):
-    spec = spec_for("batch_norm", backend)
+    spec = functional_spec("batch_norm", backend)
     layer = layer_on(backend, spec)
     x, dy = inputs_at(spec, 4)
     layer.forward(x)
@@ -186,7 +186,7 @@ def test_backward_after_the_parameters_changed_raises(backend, change):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_resetting_running_statistics_keeps_the_forward_usable(backend):
-    spec = spec_for("batch_norm", backend)
+    spec = functional_spec("batch_norm", backend)
     layer = layer_on(backend, spec)
     x, dy = inputs_at(spec, 4)
     layer.forward(x)
@@ -196,7 +196,7 @@ def test_resetting_running_statistics_keeps_the_forward_usable(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pre_activations_are_read_only_and_cannot_change_the_next_backward(backend):
-    spec = spec_for("batch_norm", backend)
+    spec = functional_spec("batch_norm", backend)
     layer, twin = layer_on(backend, spec), layer_on(backend, spec)
     x, dy = inputs_at(spec, 4)
     layer.forward(x)
@@ -211,7 +211,7 @@ def test_pre_activations_are_read_only_and_cannot_change_the_next_backward(backe
 
 # The functions themselves -------------------------------------------------------------------
 def test_functions_read_caller_owned_parameters_and_update_running_statistics_in_place():
-    spec = spec_for("batch_norm")
+    spec = functional_spec("batch_norm")
     layer = make_layer(spec)
     state = layer.state_dict()
     params, running = split_state(state)
@@ -231,7 +231,7 @@ def test_functions_read_caller_owned_parameters_and_update_running_statistics_in
 
 
 def test_backward_gives_fresh_gradients_each_call_and_accumulates_only_when_asked():
-    spec = spec_for("layer_norm")
+    spec = functional_spec("layer_norm")
     layer = make_layer(spec)
     state = layer.state_dict()
     x, dy = inputs_at(spec, 2)
@@ -248,7 +248,7 @@ def test_backward_gives_fresh_gradients_each_call_and_accumulates_only_when_aske
 
 
 def test_functions_refuse_parameters_of_the_wrong_shape_naming_them():
-    spec = spec_for("none")
+    spec = functional_spec("none")
     layer = make_layer(spec)
     params = layer.state_dict()
     params["weights"] = params["weights"][:, :, :, :1]
@@ -261,7 +261,7 @@ def test_functions_refuse_parameters_of_the_wrong_shape_naming_them():
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 def test_torch_cpu_tensors_through_the_reference_give_torch_tensors_without_copies(dtype):
     torch = pytest.importorskip("torch", reason="torch is not installed")
-    spec = spec_for("batch_norm", dtype=dtype)
+    spec = functional_spec("batch_norm", dtype=dtype)
     layer = make_layer(spec)
     x, dy = inputs_at(spec, 3)
     tdt = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
@@ -275,15 +275,15 @@ def test_torch_cpu_tensors_through_the_reference_give_torch_tensors_without_copi
     d_x = layer.backward_full(xt, dyt)
     assert isinstance(d_x, torch.Tensor) and d_x.dtype == tdt and tuple(d_x.shape) == tuple(xt.shape)
     ref = make_layer(spec)
-    x, dy = as_numpy(xt), as_numpy(dyt)
-    np.testing.assert_array_equal(as_numpy(y), ref.forward(x))
-    np.testing.assert_array_equal(as_numpy(d_x), ref.backward_full(x, dy))
+    x, dy = to_host(xt), to_host(dyt)
+    np.testing.assert_array_equal(to_host(y), ref.forward(x))
+    np.testing.assert_array_equal(to_host(d_x), ref.backward_full(x, dy))
     assert isinstance(layer.evaluate(xt), torch.Tensor)
 
 
 def test_the_reference_refuses_a_cuda_tensor_saying_it_runs_on_the_cpu():
     torch = pytest.importorskip("torch", reason="torch is not installed")
-    layer = make_layer(spec_for("none"))
+    layer = make_layer(functional_spec("none"))
     meta = torch.empty((2, 5, 4, 2), dtype=torch.float64, device="meta")
     with pytest.raises(TypeError, match="^x: expected a NumPy array or a torch CPU tensor.*meta"):
         layer.forward(meta)
@@ -293,7 +293,7 @@ def test_the_reference_refuses_a_cuda_tensor_saying_it_runs_on_the_cpu():
 @pytest.mark.parametrize("norm", NORMS)
 def test_a_layer_without_bias_matches_pytorch_conv2d_without_bias(norm):
     torch = pytest.importorskip("torch", reason="torch is not installed")
-    spec = spec_for(norm, activation="gelu", bias=False)
+    spec = functional_spec(norm, activation="gelu", bias=False)
     layer = make_layer(spec)
     state = layer.state_dict()
     assert "bias" not in state and "bias" not in layer.grad_dict()
@@ -322,7 +322,7 @@ def test_a_layer_without_bias_matches_pytorch_conv2d_without_bias(norm):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_layer_without_bias_equals_one_with_a_zero_bias(backend):
-    spec = spec_for("none", backend, activation="relu")
+    spec = functional_spec("none", backend, activation="relu")
     with_bias, without = layer_on(backend, spec), layer_on(backend, dataclasses.replace(spec, bias=False))
     state = with_bias.state_dict()
     state["bias"][...] = 0
@@ -334,11 +334,11 @@ def test_a_layer_without_bias_equals_one_with_a_zero_bias(backend):
     np.testing.assert_array_equal(a[1], b[1])
     np.testing.assert_array_equal(a[2]["weights"], b[2]["weights"])
     st = storage_dtype(spec.dtype)
-    np.testing.assert_array_equal(as_numpy(with_bias.evaluate(x), st), as_numpy(without.evaluate(x), st))
+    np.testing.assert_array_equal(to_host(with_bias.evaluate(x), st), to_host(without.evaluate(x), st))
 
 
 def test_a_layer_without_bias_saves_and_loads(tmp_path):
-    spec = spec_for("batch_norm", bias=False)
+    spec = functional_spec("batch_norm", bias=False)
     layer = make_layer(spec)
     conv2d.save(layer, tmp_path / "l.npz")
     loaded = conv2d.load(tmp_path / "l.npz")
@@ -348,7 +348,7 @@ def test_a_layer_without_bias_saves_and_loads(tmp_path):
 
 
 def test_layer_from_another_backend_moves_without_its_forward():
-    spec = spec_for("none")
+    spec = functional_spec("none")
     layer = make_layer(spec)
     x, _ = inputs_at(spec, 2)
     layer.forward(x)
@@ -359,7 +359,7 @@ def test_layer_from_another_backend_moves_without_its_forward():
 # The running variance's rule ----------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_unbiased_running_variance_rule_averages_the_unbiased_batch_variance(backend):
-    spec = spec_for("batch_norm", backend, bn_running_var="unbiased", bn_momentum=0.5)
+    spec = functional_spec("batch_norm", backend, bn_running_var="unbiased", bn_momentum=0.5)
     layer = layer_on(backend, spec)
     x, _ = inputs_at(spec, 3)
     before = layer.state_dict()["running_var"].astype(np.float64)
@@ -373,7 +373,7 @@ def test_the_unbiased_running_variance_rule_averages_the_unbiased_batch_variance
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_unbiased_rule_refuses_one_value_per_channel_as_pytorch_does(backend):
-    spec = spec_for("batch_norm", backend, bn_running_var="unbiased", kernel=1, padding=0, in_height=1,
+    spec = functional_spec("batch_norm", backend, bn_running_var="unbiased", kernel=1, padding=0, in_height=1,
                     in_width=1)
     layer = layer_on(backend, spec)
     x, _ = inputs_at(spec, 1)
@@ -389,7 +389,7 @@ def test_the_unbiased_rule_refuses_one_value_per_channel_as_pytorch_does(backend
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_backward_from_saved_values_the_caller_kept_equals_the_usual_one(backend, norm):
-    spec = spec_for(norm, backend)
+    spec = functional_spec(norm, backend)
     layer = layer_on(backend, spec)
     fn = layer.functions
     params = layer.parameters()
@@ -411,16 +411,16 @@ def test_a_backward_from_saved_values_the_caller_kept_equals_the_usual_one(backe
     grads, d_x = fn.backward(params, rebuilt, dy)
     y2, usual = fn.forward(params, x, True)
     grads2, d_x2 = fn.backward(params, usual, dy)
-    np.testing.assert_array_equal(as_numpy(y, st), as_numpy(y2, st))
-    np.testing.assert_array_equal(as_numpy(d_x, st), as_numpy(d_x2, st))
+    np.testing.assert_array_equal(to_host(y, st), to_host(y2, st))
+    np.testing.assert_array_equal(to_host(d_x, st), to_host(d_x2, st))
     for k in grads2:
-        np.testing.assert_array_equal(as_numpy(grads[k]), as_numpy(grads2[k]), err_msg=k)
+        np.testing.assert_array_equal(to_host(grads[k]), to_host(grads2[k]), err_msg=k)
 
 
 def _cuda_call(norm):
     """(functions, params, running, x, d_y, numba) of the CUDA backend (cuDNN on a GPU, else
     numba's simulator), inputs on the device, batch 3."""
-    spec = spec_for(norm, "cuda")
+    spec = functional_spec(norm, "cuda")
     layer = layer_on("cuda", spec)
     from conv2d.cuda.runtime import numba_cuda
 
@@ -450,10 +450,10 @@ def test_outputs_written_into_the_callers_arrays_equal_new_ones_bitwise(norm):
     y, saved = fn.forward(params, x, True, running, y_out=y_out)
     grads, d_x = fn.backward(params, saved, dy, grads_out=grads_out, d_x_out=d_x_out)
     assert y is y_out and d_x is d_x_out and grads is grads_out
-    np.testing.assert_array_equal(as_numpy(y, st), as_numpy(want_y, st))
-    np.testing.assert_array_equal(as_numpy(d_x, st), as_numpy(want_dx, st))
+    np.testing.assert_array_equal(to_host(y, st), to_host(want_y, st))
+    np.testing.assert_array_equal(to_host(d_x, st), to_host(want_dx, st))
     for k in want_grads:
-        np.testing.assert_array_equal(as_numpy(grads[k]), as_numpy(want_grads[k]), err_msg=k)
+        np.testing.assert_array_equal(to_host(grads[k]), to_host(want_grads[k]), err_msg=k)
 
 
 @pytest.mark.parametrize("case, error, match", [
@@ -494,7 +494,7 @@ def test_a_dropped_layer_gives_its_functions_back_without_the_garbage_collector(
     import gc
     import weakref
 
-    spec = spec_for("batch_norm", backend)
+    spec = functional_spec("batch_norm", backend)
     layer = layer_on(backend, spec)
     x, dy = inputs_at(spec, 3)
     layer.forward(x)

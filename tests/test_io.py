@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 
 import conv2d
-from conftest import edit_header, make_layer, random_inputs, rewrite_npz
+from conftest import edit_header, make_layer, random_inputs, rewrite_npz, small_layer_spec
 from conv2d import Conv2d, LayerSpec
 from conv2d.torch_layout import state_from_torch, state_to_torch, weights_from_torch, weights_to_torch
 
-SPEC = LayerSpec(batch_size=2, in_height=6, in_width=5, in_channels=3, out_channels=4, kernel=(3, 2),
-                 stride=(2, 1), padding=1, activation="gelu", normalization="batch_norm", dtype="float32")
+SPEC = small_layer_spec(kernel=(3, 2), stride=(2, 1), activation="gelu")
 
 
 def saved(tmp_path, spec=SPEC):

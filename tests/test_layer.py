@@ -6,22 +6,23 @@ import math
 import numpy as np
 import pytest
 
-from conftest import assert_same_gradients, make_layer, random_inputs
-from conv2d import Conv2d, LayerSpec
+from conftest import assert_same_gradients, make_layer, random_inputs, spec_for
+from conv2d import Conv2d
 
 NORMS = ["none", "batch_norm", "layer_norm"]
 DTYPES = ["float64", "float32", "float16", "bfloat16"]
 
 
-def spec_for(normalization="batch_norm", dtype="float64", activation="tanh"):
-    return LayerSpec(batch_size=3, in_height=6, in_width=5, in_channels=2, out_channels=4, kernel=3,
-                     stride=1, padding=1, activation=activation, normalization=normalization, dtype=dtype)
+def layer_spec(normalization="batch_norm", dtype="float64", activation="tanh"):
+    """This file's layer: N=3, 6x5, 2 -> 4 channels."""
+    return spec_for(activation, normalization, dtype, batch_size=3, in_height=6, in_width=5, in_channels=2,
+                    out_channels=4)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("norm", NORMS)
 def test_parameter_gradients_accumulate_across_backward_calls(norm, dtype):
-    spec = spec_for(norm, dtype)
+    spec = layer_spec(norm, dtype)
     layer = make_layer(spec)
     x, dy = random_inputs(spec)
     layer.forward(x)
@@ -34,7 +35,7 @@ def test_parameter_gradients_accumulate_across_backward_calls(norm, dtype):
 
 @pytest.mark.parametrize("norm", NORMS)
 def test_input_gradient_is_returned_fresh_each_call(norm):
-    spec = spec_for(norm)
+    spec = layer_spec(norm)
     layer = make_layer(spec)
     x, dy = random_inputs(spec)
     layer.forward(x)
@@ -45,7 +46,7 @@ def test_input_gradient_is_returned_fresh_each_call(norm):
 
 @pytest.mark.parametrize("norm", NORMS)
 def test_backward_and_backward_full_give_the_same_parameter_gradients(norm):
-    spec = spec_for(norm)
+    spec = layer_spec(norm)
     a, b = make_layer(spec), make_layer(spec)
     x, dy = random_inputs(spec)
     a.forward(x)
@@ -106,7 +107,7 @@ def test_eval_forward_leaves_running_statistics_unchanged(small_spec):
 
 
 def test_layer_norm_is_the_same_in_training_and_eval():
-    spec = spec_for("layer_norm")
+    spec = layer_spec("layer_norm")
     layer = make_layer(spec)
     x, _ = random_inputs(spec)
     np.testing.assert_array_equal(layer.forward(x, training=True), layer.evaluate(x))
@@ -141,7 +142,7 @@ def test_state_and_grad_dicts_are_copies(small_spec):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm", NORMS)
 def test_state_keys_shapes_and_dtypes_follow_the_type_policy(norm, dtype):
-    spec = spec_for(norm, dtype)
+    spec = layer_spec(norm, dtype)
     state = Conv2d(spec).state_dict()
     keys = {"none": {"weights", "bias"}, "layer_norm": {"weights", "bias", "gamma", "beta"},
             "batch_norm": {"weights", "bias", "gamma", "beta", "running_mean", "running_var"}}[norm]
@@ -193,7 +194,7 @@ def test_to_copies_state_and_gradients(small_spec):
 
 @pytest.mark.parametrize("norm", NORMS)
 def test_nan_in_the_input_propagates_without_raising(norm):
-    spec = spec_for(norm, activation="identity")
+    spec = layer_spec(norm, activation="identity")
     layer = make_layer(spec)
     x, dy = random_inputs(spec)
     x[0, 0, 0, 0] = np.nan

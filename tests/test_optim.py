@@ -8,13 +8,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import HAVE_GPU, make_layer
-from conv2d import LayerSpec
+from conftest import HAVE_GPU, make_layer, small_layer_spec
 from conv2d.optim import SGD, Adam
 from conv2d.state import RUNNING
 
-SPEC = LayerSpec(batch_size=2, in_height=5, in_width=4, in_channels=2, out_channels=3, kernel=3, padding=1,
-                 activation="relu", normalization="batch_norm", dtype="float64")
+SPEC = small_layer_spec(in_height=5, in_width=4, in_channels=2, out_channels=3, dtype="float64")
 STEPS = 20
 
 

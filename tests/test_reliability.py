@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 
 import conv2d
-from conftest import edit_header, make_layer, random_inputs, rewrite_npz
+from conftest import edit_header, make_layer, random_inputs, rewrite_npz, small_layer_spec
 from conv2d import Conv2d, LayerSpec
 
-SPEC = LayerSpec(batch_size=2, in_height=6, in_width=5, in_channels=3, out_channels=4, kernel=3, padding=1,
-                 activation="gelu", normalization="batch_norm", dtype="float32")
+SPEC = small_layer_spec(activation="gelu")
 
 
 def saved(tmp_path, spec=SPEC, name="layer.npz"):

@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 
 import conv2d
-from conftest import edit_header, make_layer, random_inputs
+from conftest import edit_header, make_layer, random_inputs, small_layer_spec
 from conv2d import Conv2d, LayerSpec, Sequential
 from conv2d.optim import SGD, Adam
 
-SPEC = LayerSpec(batch_size=2, in_height=6, in_width=5, in_channels=3, out_channels=4, kernel=3, padding=1,
-                 activation="relu", normalization="batch_norm", dtype="float32")
+SPEC = small_layer_spec()
 
 
 def saved(tmp_path, layer=None, name="layer.npz"):

@@ -8,11 +8,10 @@ import pytest
 
 h5py = pytest.importorskip("h5py", reason="h5py is not installed (the test extra brings it)")
 
-from conftest import make_layer, random_inputs  # noqa: E402
+from conftest import make_layer, random_inputs, small_layer_spec  # noqa: E402
 from conv2d import Conv2d, LayerSpec, rltools  # noqa: E402
 
-SPEC = LayerSpec(batch_size=2, in_height=6, in_width=5, in_channels=2, out_channels=4, kernel=(3, 2),
-                 stride=(2, 1), padding=1, activation="relu", normalization="batch_norm", dtype="float32")
+SPEC = small_layer_spec(in_channels=2, kernel=(3, 2), stride=(2, 1))
 
 
 def trained(spec):

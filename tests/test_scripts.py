@@ -1,5 +1,6 @@
-"""Every script in scripts/ still starts: its --help runs (imports, argument parsing), so a
-script cannot rot unnoticed while the library under it changes."""
+"""Every script in scripts/ still starts: its --help runs (imports, argument parsing), and
+the scripts with a CPU mode run it on a small case, so a script cannot rot unnoticed while
+the library under it changes."""
 
 import os
 import subprocess
@@ -17,11 +18,30 @@ def test_there_are_scripts_to_check():
     assert SCRIPTS
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_a_script_prints_its_help(script):
+def run_script(script: Path, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, env=env,
-                          timeout=120, cwd=ROOT)
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_a_script_prints_its_help(script):
+    done = run_script(script, "--help")
     assert "usage" in done.stdout.lower(), done.stdout[:500]
+
+
+def test_the_reference_benchmark_runs_on_the_cpu_and_says_where_its_table_comes_from():
+    pytest.importorskip("torch")
+    pytest.importorskip("threadpoolctl")
+    out = run_script(ROOT / "scripts" / "bench_reference.py", "--shapes", "tiny_latency", "--dtypes", "float32",
+                     "--repeats", "1", timeout=300).stdout
+    assert "| tiny_latency | bn | float32 |" in out
+    assert "Made by `python3 scripts/bench_reference.py --shapes tiny_latency" in out and "commit " in out
+
+
+def test_the_host_overhead_script_runs_in_the_simulator():
+    out = run_script(ROOT / "scripts" / "host_overhead_cuda.py", "this", timeout=300).stdout
+    assert "this | step | batch_norm |" in out

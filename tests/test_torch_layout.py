@@ -7,15 +7,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import make_layer, random_inputs
+from conftest import make_layer, random_inputs, small_layer_spec
 from conv2d import Conv2d, LayerSpec
 from conv2d.torch_layout import (conv_to_dense_weight, dense_weight_to_conv, state_from_modules, state_from_torch,
                                  state_to_torch)
 
 torch = pytest.importorskip("torch", reason="torch is not installed (the test extra brings it)")
 
-SPEC = LayerSpec(batch_size=2, in_height=6, in_width=5, in_channels=3, out_channels=4, kernel=3, padding=1,
-                 activation="relu", normalization="batch_norm", dtype="float64", bn_running_var="unbiased")
+SPEC = small_layer_spec(dtype="float64", bn_running_var="unbiased")
 
 
 def sequential(spec):

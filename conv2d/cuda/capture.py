@@ -9,12 +9,31 @@ eager kernels, so their results are bitwise those of the eager calls.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import numpy as np
 
 from conv2d.checks import check_numpy
-from conv2d.cuda.runtime import copy_into, from_device_bits, to_device_bits
+from conv2d.cuda.runtime import copy_into, device_view, from_device_bits, stream_handle, to_device_bits
+from conv2d.dtypes import storage_dtype
+
+
+def capture_layers(held: list[tuple[Any, Any]], run: Callable[[], dict], inputs: dict,
+                   snapshot: Callable) -> "CapturedGraph":
+    """A CapturedGraph of `run` over the layers `held` ((functions, call spec) each, the
+    first the one whose input is x, all on its stream): each is planned for its call,
+    frozen and kept on that stream while `run` is captured."""
+    first, call = held[0]
+    if "d_y" in inputs:
+        device_view(first.cuda, "d_y", inputs["d_y"], first.spec.dtype, held[-1][1].output_shape)
+    with contextlib.ExitStack() as stack:
+        for fn, c in held:
+            stack.enter_context(fn.held_for_capture(c))
+        last = held[-1][0].spec.dtype
+        dtypes = {"x": first.spec.dtype, "d_x": first.spec.dtype, "y": last, "d_y": last}
+        return CapturedGraph(stream_handle(first.stream), first.stream.synchronize, run, snapshot, inputs,
+                             stream=first.stream, dtypes={k: storage_dtype(d) for k, d in dtypes.items()})
 
 
 def _driver():

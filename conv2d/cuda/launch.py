@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import inspect
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 from conv2d.cuda.runtime import simulating
 from conv2d.cuda.views import ForeignArray, as_numba
@@ -147,3 +147,46 @@ def _flat(a: Any) -> Any:
 def _dim3(d: int | tuple) -> tuple[int, int, int]:
     d = (d,) if isinstance(d, int) else tuple(d)
     return tuple(int(v) for v in d) + (1,) * (3 - len(d))
+
+
+class LaunchKey(NamedTuple):
+    """The name of a prepared launch in a shape plan (ShapePlan.launches): the step it
+    runs (a kernel's name), the set of saved buffers it reads or writes ("evaluate":
+    evaluate's scratch; "caller": the caller's arrays; else the number of one of the
+    layer's sets), the settings fixed under it (sorted (name, value) pairs) and whether it
+    reads d_y one value a load (`narrow`: d_y not 8-byte aligned)."""
+
+    step: str
+    buffers: Any = None
+    fixed: tuple = ()
+    narrow: bool = False
+
+
+class Launcher:
+    """Prepared launches kept in a dict by key, launched on the current stream of the
+    functions that own them (`current()`): the first call of a key prepares the launch
+    with all its arguments, later calls swap only the arrays given by name."""
+
+    def __init__(self, current: Callable[[], Any], fast: bool) -> None:
+        self.current = current
+        self.fast = fast
+
+    def __call__(self, launches: dict, key: Any, kernel: Any, grid: Any, block: Any, fixed: Mapping[str, Any],
+                 **arrays: Any) -> None:
+        """Launch `kernel` as `launches[key]`: `fixed` are the arguments that do not change
+        under the key (sizes, scalars, scratch), `arrays` by name those that may change
+        per call."""
+        launch = launches.get(key)
+        if launch is None:
+            launch = launches[key] = Launch(kernel, grid, block, self.current(), {**fixed, **arrays}, fast=self.fast)
+            launch()
+            return
+        self.call(launch, arrays)
+
+    def call(self, launch: Launch, arrays: dict[str, Any]) -> None:
+        """A prepared launch on the current stream (it moves there after a stream switch;
+        a plan dropped from the cache and still used by a Saved follows too)."""
+        current = self.current()
+        if launch.stream is not current:
+            launch.set_stream(current)
+        launch(**arrays)

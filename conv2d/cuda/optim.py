@@ -25,17 +25,26 @@ from conv2d.cuda.runtime import numba_cuda
 cuda = numba_cuda()
 f32 = np.float32
 ZERO, ONE, TWO = f32(0), f32(1), f32(2)
-RULES = {"rl_tools": 0, "torch": 1, "torch_w": 2}
+# Adam's update rules (the kernel's `rule` argument): rl_tools' (eps inside and outside the
+# square root), torch.optim.Adam's (L2 weight decay), torch.optim.AdamW's (decoupled decay).
+RULE_RL_TOOLS, RULE_TORCH, RULE_TORCH_W = 0, 1, 2
+RULES = {"rl_tools": RULE_RL_TOOLS, "torch": RULE_TORCH, "torch_w": RULE_TORCH_W}
+# The kernels' `flags` argument: HAS_MASTER << k where slot k keeps a float32 master copy;
+# Adam: DECAYED << k where slot k is weight-decayed; SGD: HAS_MOMENTUM where the step
+# keeps momentum buffers.
+HAS_MASTER, DECAYED, HAS_MOMENTUM = 1, 16, 16
 SLOTS = ("weights", "bias", "gamma", "beta")  # a layer's parameters, in the kernels' slot order
 
 
-def _adam_one(load: Any, store: Any) -> Any:
+def _adam_one(io: Any) -> Any:
+    load, store = io.load, io.store
+
     @cuda.jit(device=True, inline=True)
     def update(value, grad, m, v, master, has_master, decay, i, rule, lr, beta1, beta2, eps, eps_sqrt,
                weight_decay, c1, c2, step_size, bc2_sqrt):
         p = master[i] if has_master else load(value, i)
         g = load(grad, i)
-        if rule == 0:  # rl_tools
+        if rule == RULE_RL_TOOLS:
             mi = beta1 * m[i] + (ONE - beta1) * g
             vi = beta2 * v[i] + (ONE - beta2) * g * g
             update = lr * c1 * mi / (math.sqrt(max(vi * c2, eps_sqrt)) + eps)
@@ -43,9 +52,9 @@ def _adam_one(load: Any, store: Any) -> Any:
                 update += p * weight_decay / TWO
             p = p - update
         else:
-            if rule == 1 and weight_decay != ZERO:  # Adam's L2 term
+            if rule == RULE_TORCH and weight_decay != ZERO:  # Adam's L2 term
                 g = g + weight_decay * p
-            elif rule == 2 and weight_decay != ZERO:  # AdamW's decoupled decay
+            elif rule == RULE_TORCH_W and weight_decay != ZERO:  # AdamW's decoupled decay
                 p = p * (ONE - lr * weight_decay)
             mi = m[i] + (g - m[i]) * (ONE - beta1)
             vi = v[i] * beta2 + g * g * (ONE - beta2)
@@ -58,7 +67,9 @@ def _adam_one(load: Any, store: Any) -> Any:
     return update
 
 
-def _sgd_one(load: Any, store: Any) -> Any:
+def _sgd_one(io: Any) -> Any:
+    load, store = io.load, io.store
+
     @cuda.jit(device=True, inline=True)
     def update(value, grad, buf, master, has_master, has_buf, first, i, lr, momentum, dampening, weight_decay,
                nesterov):
@@ -92,7 +103,7 @@ def _finish_step(step, ticket, t):
 @functools.lru_cache(maxsize=None)
 def adam_kernel(storages: tuple[str, str, str, str]) -> Any:
     """The fused Adam kernel for a layer whose four parameter slots store `storages`."""
-    u0, u1, u2, u3 = (_adam_one(*storage_io(s)[:2]) for s in storages)
+    u0, u1, u2, u3 = (_adam_one(storage_io(s)) for s in storages)
 
     @cuda.jit
     def adam_layer(value0, grad0, m0, v0, master0, value1, grad1, m1, v1, master1, value2, grad2, m2, v2, master2,
@@ -111,17 +122,17 @@ def adam_kernel(storages: tuple[str, str, str, str]) -> Any:
         e2 = e1 + n2
         for i in range(cuda.grid(1), e2 + n3, cuda.gridsize(1)):
             if i < n0:
-                u0(value0, grad0, m0, v0, master0, flags & 1, flags & 16, i, rule, lr, beta1, beta2, eps,
-                   eps_sqrt, wd, c1, c2, step_size, bc2_sqrt)
+                u0(value0, grad0, m0, v0, master0, flags & (HAS_MASTER << 0), flags & (DECAYED << 0), i,
+                   rule, lr, beta1, beta2, eps, eps_sqrt, wd, c1, c2, step_size, bc2_sqrt)
             elif i < e1:
-                u1(value1, grad1, m1, v1, master1, flags & 2, flags & 32, i - n0, rule, lr, beta1, beta2, eps,
-                   eps_sqrt, wd, c1, c2, step_size, bc2_sqrt)
+                u1(value1, grad1, m1, v1, master1, flags & (HAS_MASTER << 1), flags & (DECAYED << 1), i - n0,
+                   rule, lr, beta1, beta2, eps, eps_sqrt, wd, c1, c2, step_size, bc2_sqrt)
             elif i < e2:
-                u2(value2, grad2, m2, v2, master2, flags & 4, flags & 64, i - e1, rule, lr, beta1, beta2, eps,
-                   eps_sqrt, wd, c1, c2, step_size, bc2_sqrt)
+                u2(value2, grad2, m2, v2, master2, flags & (HAS_MASTER << 2), flags & (DECAYED << 2), i - e1,
+                   rule, lr, beta1, beta2, eps, eps_sqrt, wd, c1, c2, step_size, bc2_sqrt)
             else:
-                u3(value3, grad3, m3, v3, master3, flags & 8, flags & 128, i - e2, rule, lr, beta1, beta2, eps,
-                   eps_sqrt, wd, c1, c2, step_size, bc2_sqrt)
+                u3(value3, grad3, m3, v3, master3, flags & (HAS_MASTER << 3), flags & (DECAYED << 3), i - e2,
+                   rule, lr, beta1, beta2, eps, eps_sqrt, wd, c1, c2, step_size, bc2_sqrt)
         _finish_step(step, ticket, t)
     return adam_layer
 
@@ -129,7 +140,7 @@ def adam_kernel(storages: tuple[str, str, str, str]) -> Any:
 @functools.lru_cache(maxsize=None)
 def sgd_kernel(storages: tuple[str, str, str, str]) -> Any:
     """The fused SGD kernel for a layer whose four parameter slots store `storages`."""
-    u0, u1, u2, u3 = (_sgd_one(*storage_io(s)[:2]) for s in storages)
+    u0, u1, u2, u3 = (_sgd_one(storage_io(s)) for s in storages)
 
     @cuda.jit
     def sgd_layer(value0, grad0, buf0, master0, value1, grad1, buf1, master1, value2, grad2, buf2, master2,
@@ -137,23 +148,24 @@ def sgd_kernel(storages: tuple[str, str, str, str]) -> Any:
                   dampening64, weight_decay64, nesterov):
         t = step[0] + 1
         first = t == 1
-        has_buf = flags & 16
+        has_buf = flags & HAS_MOMENTUM
         lr, momentum = np.float32(lr64), np.float32(momentum64)
         dampening, wd = np.float32(dampening64), np.float32(weight_decay64)
         e1 = n0 + n1
         e2 = e1 + n2
         for i in range(cuda.grid(1), e2 + n3, cuda.gridsize(1)):
             if i < n0:
-                u0(value0, grad0, buf0, master0, flags & 1, has_buf, first, i, lr, momentum, dampening, wd, nesterov)
+                u0(value0, grad0, buf0, master0, flags & (HAS_MASTER << 0), has_buf, first, i, lr,
+                   momentum, dampening, wd, nesterov)
             elif i < e1:
-                u1(value1, grad1, buf1, master1, flags & 2, has_buf, first, i - n0, lr, momentum, dampening, wd,
-                   nesterov)
+                u1(value1, grad1, buf1, master1, flags & (HAS_MASTER << 1), has_buf, first, i - n0, lr,
+                   momentum, dampening, wd, nesterov)
             elif i < e2:
-                u2(value2, grad2, buf2, master2, flags & 4, has_buf, first, i - e1, lr, momentum, dampening, wd,
-                   nesterov)
+                u2(value2, grad2, buf2, master2, flags & (HAS_MASTER << 2), has_buf, first, i - e1, lr,
+                   momentum, dampening, wd, nesterov)
             else:
-                u3(value3, grad3, buf3, master3, flags & 8, has_buf, first, i - e2, lr, momentum, dampening, wd,
-                   nesterov)
+                u3(value3, grad3, buf3, master3, flags & (HAS_MASTER << 3), has_buf, first, i - e2, lr,
+                   momentum, dampening, wd, nesterov)
         _finish_step(step, ticket, t)
     return sgd_layer
 
@@ -173,7 +185,7 @@ def _slots(dtype: str, params: Mapping[str, Any], grads: Mapping[str, Any], buff
             continue
         storages.append(dtype if value.dtype != np.float32 else "float32")
         master = b.get("master")
-        flags |= (1 << k) if master is not None else 0
+        flags |= (HAS_MASTER << k) if master is not None else 0
         args.update({f"value{k}": value, f"grad{k}": grads[name], f"n{k}": np.int64(value.size)})
         args.update({f"{x}{k}": b[x] if b.get(x) is not None else absent for x in per_slot})
     return args, tuple(storages), flags
@@ -194,7 +206,7 @@ def adam_step(launch: Callable[..., None], absent: Any, dtype: str, stream: Any,
     args, storages, flags = _slots(dtype, params, grads, buffers, ("m", "v", "master"), absent)
     for k, name in enumerate(SLOTS):
         if name in params and name in h["decayed"] and h["weight_decay"] > 0:
-            flags |= 16 << k
+            flags |= DECAYED << k
     args.update(flags=np.int32(flags), step=step, ticket=_ticket(prepared, stream), rule=np.int32(RULES[h["rule"]]),
                 lr64=np.float64(h["lr"]), beta1_64=np.float64(h["beta1"]), beta2_64=np.float64(h["beta2"]),
                 eps64=np.float64(h["eps"]), eps_sqrt64=np.float64(h.get("eps_sqrt", 0.0)),
@@ -208,7 +220,7 @@ def sgd_step(launch: Callable[..., None], absent: Any, dtype: str, stream: Any, 
     """One SGD step of every parameter of a layer, one launch (see `adam_step`);
     `buffers[name]` holds "buf" with momentum (and "master" for a 16-bit parameter)."""
     args, storages, flags = _slots(dtype, params, grads, buffers, ("buf", "master"), absent)
-    flags |= 16 if h["momentum"] > 0 else 0
+    flags |= HAS_MOMENTUM if h["momentum"] > 0 else 0
     args.update(flags=np.int32(flags), step=step, ticket=_ticket(prepared, stream), lr64=np.float64(h["lr"]),
                 momentum64=np.float64(h["momentum"]), dampening64=np.float64(h["dampening"]),
                 weight_decay64=np.float64(h["weight_decay"]), nesterov=bool(h["nesterov"]))

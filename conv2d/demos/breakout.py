@@ -25,7 +25,7 @@ import numpy as np
 
 from conv2d.demos.common import require_matplotlib, save_figure
 from conv2d.dtypes import storage_dtype
-from conv2d.host import as_numpy
+from conv2d.arrays import to_host
 from conv2d.optim import Adam
 from conv2d.sequential import Sequential
 from conv2d.spec import LayerSpec, Normalization
@@ -141,13 +141,13 @@ class _CallByCall:
 
     def act(self, state: np.ndarray) -> np.ndarray:
         """Q-values (1, 1, 1, A) of one observation (10, 10, 4)."""
-        return as_numpy(self.q.evaluate(state[None]), self.st)
+        return to_host(self.q.evaluate(state[None]), self.st)
 
     def values(self, s: np.ndarray, s2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(Q-values of batch s by the network, of batch s2 by the target network)."""
-        next_values = as_numpy(self.target.evaluate(s2), self.st)
+        next_values = to_host(self.target.evaluate(s2), self.st)
         self._s = s
-        return as_numpy(self.q.forward(s, training=True), self.st), next_values
+        return to_host(self.q.forward(s, training=True), self.st), next_values
 
     def train(self, d_values: np.ndarray) -> None:
         """One Adam step on the gradient d_values of the loss by the last `values`' Q-values."""

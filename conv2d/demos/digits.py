@@ -17,7 +17,7 @@ import numpy as np
 
 from conv2d.demos.common import require_matplotlib, save_figure, softmax_cross_entropy
 from conv2d.dtypes import storage_dtype
-from conv2d.host import as_numpy
+from conv2d.arrays import to_host
 from conv2d.optim import Adam
 from conv2d.sequential import Sequential
 from conv2d.spec import LayerSpec
@@ -53,7 +53,7 @@ def load_data(seed: int, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def accuracy(model: Sequential, x: np.ndarray, y: np.ndarray, st: np.dtype) -> float:
-    logits = as_numpy(model.evaluate(x), st).astype(np.float64).reshape(len(y), -1)
+    logits = to_host(model.evaluate(x), st).astype(np.float64).reshape(len(y), -1)
     return float((logits.argmax(axis=1) == y).mean())
 
 
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         for i in range(0, len(order), args.batch_size):
             idx = order[i:i + args.batch_size]  # the last batch is smaller: any batch size runs
             x = np.ascontiguousarray(x_train[idx])
-            logits = as_numpy(model.forward(x, training=True), st).astype(np.float64).reshape(len(idx), -1)
+            logits = to_host(model.forward(x, training=True), st).astype(np.float64).reshape(len(idx), -1)
             loss, d_logits = softmax_cross_entropy(logits, y_train[idx])
             opt.zero_grad()
             model.backward(x, d_logits.reshape(len(idx), 1, 1, -1).astype(st))

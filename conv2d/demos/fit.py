@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from conv2d.dtypes import UNIT_ROUNDOFF, storage_dtype
-from conv2d.host import as_numpy
+from conv2d.arrays import to_host
 from conv2d.layer import Conv2d
 from conv2d.spec import LayerSpec
 from conv2d.demos.common import require_matplotlib, save_figure
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         # Inference on inputs never trained on; with batch norm both layers use their
         # running statistics, so the student must have learnt those too.
         want = teacher.evaluate(held_out).astype(np.float64)
-        got = as_numpy(student.evaluate(held_out), st).astype(np.float64)
+        got = to_host(student.evaluate(held_out), st).astype(np.float64)
         return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
     print(f"demo: {spec.batch_size}x{spec.in_height}x{spec.in_width}x{spec.in_channels} -> "
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         # The teacher runs as the student does, so that with batch norm both use batch
         # statistics and both keep running ones.
         want = teacher.forward(x, training=True).astype(np.float64)
-        y = as_numpy(student.forward(x, training=True), st).astype(np.float64)
+        y = to_host(student.forward(x, training=True), st).astype(np.float64)
         diff = y - want
         loss = 0.5 * float((diff * diff).mean())
         losses.append(loss)

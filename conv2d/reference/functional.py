@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from conv2d import activations
-from conv2d.arrays import host_array, to_library
+from conv2d.arrays import host_view, to_library
 from conv2d.checks import check_numpy, check_shape_dtype, input_spec
 from conv2d.dtypes import compute_dtype, storage_dtype
 from conv2d.reference import conv, norm, optim
@@ -70,7 +70,7 @@ def check_params(spec: LayerSpec, params: Mapping[str, Any], running: Mapping[st
             got = sorted(arrays) if isinstance(arrays, Mapping) else type(arrays).__name__
             raise ValueError(f"{group}: expected keys {names}, got {got}")
         for k in names:
-            a, _ = host_array(f"{group}[{k!r}]", arrays[k])
+            a, _ = host_view(f"{group}[{k!r}]", arrays[k])
             check_shape_dtype(f"{group}[{k!r}]", a, *layout[k])
             views[k] = a
     run = {k: views.pop(k) for k in RUNNING if k in views} if running is not None else None
@@ -115,7 +115,7 @@ def _activation_input(spec: LayerSpec, params: dict, z: np.ndarray, mean: np.nda
 def check_input(spec: LayerSpec, name: str, x: Any) -> tuple[np.ndarray, str, LayerSpec]:
     """(NumPy view of input x, its library, the call's spec) after every check of x:
     (N, H, W, C) with the spec's C, a size the kernel fits, storage dtype, C-contiguous."""
-    x, lib = host_array(name, x)
+    x, lib = host_view(name, x)
     call = input_spec(name, x, spec)
     check_numpy(name, x, call.input_shape, storage_dtype(spec.dtype))
     return x, lib, call
@@ -184,7 +184,7 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
         raise ValueError("saved: made by a forward of another layer (" + "; ".join(
             f"{k}: saved's {a!r}, this layer's {b!r}" for k, (a, b) in other.items()) + ")")
     st, ct = storage_dtype(spec.dtype), compute_dtype(spec.dtype)
-    d_y, lib = host_array("d_y", d_y)
+    d_y, lib = host_view("d_y", d_y)
     check_numpy("d_y", d_y, call.output_shape, st)
     params, _ = check_params(spec, params, None, False)
     acc = None
@@ -241,11 +241,11 @@ class Functions:
         kept: a torch custom op returns them), for `backward`; mean and inv_std are
         ignored without a norm."""
         x_np, lib, call = check_input(self.spec, "x", x)
-        pre_np, _ = host_array("pre", pre)
+        pre_np, _ = host_view("pre", pre)
         check_shape_dtype("pre", pre_np, call.output_shape, storage_dtype(self.spec.dtype))
         stats = (None, None)
         if self.spec.normalization is not Normalization.NONE:
-            stats = tuple(host_array(name, a)[0].astype(compute_dtype(self.spec.dtype), copy=False)
+            stats = tuple(host_view(name, a)[0].astype(compute_dtype(self.spec.dtype), copy=False)
                           for name, a in (("mean", mean), ("inv_std", inv_std)))
         return Saved(call, x_np, pre_np, stats[0], stats[1], bool(batch_stats), lib)
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from conv2d.activations import JUMPING_DERIVATIVE
 from conv2d.dtypes import storage_dtype
-from conv2d.host import as_numpy
+from conv2d.arrays import to_host
 from conv2d.layer import Conv2d
 from conv2d.spec import DType, LayerSpec
 from conv2d.state import state_layout
@@ -56,9 +56,9 @@ def run_case(case: GoldenCase, dtype: DType | str, mode: str, backend: str = "re
     st = storage_dtype(spec.dtype)
     x = case.arrays["x"].astype(st)
     d_y = case.arrays["d_y"].astype(st)
-    out = {"y": as_numpy(layer.forward(x, training=(mode == "train")), st)}
-    out["pre_activations"] = as_numpy(layer.pre_activations, st)
-    out["d_x"] = as_numpy(layer.backward_full(x, d_y), st)
+    out = {"y": to_host(layer.forward(x, training=(mode == "train")), st)}
+    out["pre_activations"] = to_host(layer.pre_activations, st)
+    out["d_x"] = to_host(layer.backward_full(x, d_y), st)
     out.update({f"grad.{k}": v for k, v in layer.grad_dict().items()})
     state = layer.state_dict()
     out.update({k: state[k] for k in ("running_mean", "running_var") if k in state})

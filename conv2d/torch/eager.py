@@ -8,7 +8,8 @@ hits). `EagerConv2d` reads the module's parameters through one cached dict of de
 NHWC views (`ParameterViews`), and permutes x, the weight and their gradients itself.
 Python on autograd's device thread costs more than on the calling thread (on the H200's
 virtual machine the backend's backward took 125 us of host time on the calling thread
-and about 240 on autograd's: scripts/probe_module.py, tiny_latency bn float32), so the
+and about 240 on autograd's, tiny_latency bn float32, measured with a probe since
+removed: scripts/probe_module.py in git), so the
 backward does little besides the backend's call. With the module's `cuda_graphs`, the
 node allocates the call's outputs and saved values itself and hands the backend call to
 `Call.graphs` (conv2d.torch.graphs), which replays a captured graph of it when every

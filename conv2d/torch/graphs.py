@@ -1,7 +1,7 @@
 """The module's eager CUDA calls, replayed as CUDA graphs when every address repeats.
 
 A small layer's eager step is host-bound: the backend's Python and its launches cost more
-host time than the GPU spends (docs/benchmarks.md, seventh lease). But a training loop
+host time than the GPU spends (docs/bench_cuda.md, the module table: launched). But a training loop
 calls a layer with its tensors at the same addresses step after step, because torch's
 caching allocator hands the same blocks back when the same sizes are asked for in the
 same order. So the eager node (conv2d.torch.eager) keys each call by everything its

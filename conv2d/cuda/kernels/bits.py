@@ -5,6 +5,8 @@ loaded."""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from conv2d.cuda.runtime import numba_cuda, simulating
@@ -161,11 +163,21 @@ _FORMATS = {
 }
 
 
-def storage_io(storage: str):
-    """(load, store, stored, part, encode) device functions for a storage format: float32
-    values in and out; `stored(a, i, v)` stores v and returns the value as stored, back in
+class StorageIO(NamedTuple):
+    """A storage format's device functions, float32 values in and out: `load(a, i)`,
+    `store(a, i, v)`; `stored(a, i, v)` stores v and returns the value as stored, back in
     float32; `part(raw, v)` is value v of 8 raw bytes (`load_u64`) as float32;
     `encode(v)` is (the bits `stored` would store, as uint64; the value as stored)."""
+
+    load: Any
+    store: Any
+    stored: Any
+    part: Any
+    encode: Any
+
+
+def storage_io(storage: str) -> StorageIO:
+    """The device functions of storage format `storage` (see StorageIO)."""
     if storage not in _FORMATS:
         raise ValueError(f"storage_io: storage {storage!r}, expected one of {sorted(_FORMATS)}")
     from_element, to_element, from_bits, to_bits, width = _FORMATS[storage]
@@ -193,4 +205,4 @@ def storage_io(storage: str):
     def encode(v):
         bits = to_bits(v)
         return np.uint64(bits), from_bits(bits)
-    return load, store, stored, part, encode
+    return StorageIO(load, store, stored, part, encode)

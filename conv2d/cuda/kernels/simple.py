@@ -80,7 +80,8 @@ def _members(g, C, S, layer, total):
 def simple_set(storage: str, activation: Activation) -> SimpleSet:
     """The simple kernels for values stored as `storage` ("float32", "float16", "bfloat16")
     and `activation`."""
-    load, store, _, _, _ = storage_io(storage)
+    io = storage_io(storage)
+    load, store = io.load, io.store
     f, d = activation_functions(Activation(activation))
 
     @cuda.jit
