@@ -85,6 +85,12 @@ class LayerSpec:
     takes any N >= 1, and any H, W the kernel fits (`at` gives the spec of such a call).
     `bias=False` drops the bias parameter and its gradient. `bn_running_var` chooses the
     running variance's rule: "biased" (the original's) or "unbiased" (PyTorch's).
+    `batch_invariant=True`: each sample's results do not depend on the batch it is
+    computed in (its size, its other samples, the sample's position), bit for bit, for
+    every output that is a function of the sample alone: evaluate (any norm), the training
+    forward without batch norm or with layer norm, and the input gradient of those. Batch
+    norm's training statistics and the parameter gradients sum over the batch: they stay
+    deterministic, not invariant. Reference backend only for now.
     """
 
     batch_size: int | None = None
@@ -102,6 +108,7 @@ class LayerSpec:
     dtype: DType | str = DType.FLOAT32
     bias: bool = True
     bn_running_var: RunningVariance | str = RunningVariance.BIASED
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -151,8 +158,9 @@ class LayerSpec:
                 raise ValueError(f"LayerSpec.bn_epsilon: {e!r} is {e32!r} in float32, the compute type of "
                                  f"{self.dtype.value}; expected a value > 0 and finite there (about 1.4e-45 to 3.4e38)")
         self._check_sizes()
-        if not isinstance(self.bias, bool):
-            raise ValueError(f"LayerSpec.bias: expected a bool, got {self.bias!r}")
+        for name in ("bias", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LayerSpec.{name}: expected a bool, got {getattr(self, name)!r}")
 
     def _check_sizes(self) -> None:
         # A spec whose arrays cannot exist fails here, naming the field, rather than in an

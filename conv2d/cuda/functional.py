@@ -56,6 +56,10 @@ def _check_options(spec: LayerSpec, allow_tf32: bool, autotune: bool, fast_paths
     if spec.dtype is DType.FLOAT64:
         raise ValueError("dtype: float64 is the reference backend's oracle type; the CUDA backend takes "
                          "float32, float16 or bfloat16")
+    if spec.batch_invariant:
+        raise NotImplementedError("batch_invariant: the CUDA backend does not give batch-invariant results yet "
+                                  "(cuDNN's plans and the kernels' partitions are chosen per batch size); the "
+                                  "reference backend does, or use batch_invariant=False")
     for name, value in (("allow_tf32", allow_tf32), ("autotune", autotune), ("fast_paths", fast_paths)):
         if not isinstance(value, bool):
             raise TypeError(f"{name}: expected a bool, got {value!r}")

@@ -45,14 +45,18 @@ def _block_samples(bytes_per_sample: int) -> int:
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
-                 padding: tuple[int, int]) -> np.ndarray:
-    """y[n, oh, ow, oc] = sum_{kh, kw, c} xp[n, oh*SH + kh, ow*SW + kw, c] * w[oc, kh, kw, c]."""
+                 padding: tuple[int, int], per_sample: bool = False) -> np.ndarray:
+    """y[n, oh, ow, oc] = sum_{kh, kw, c} xp[n, oh*SH + kh, ow*SW + kw, c] * w[oc, kh, kw, c].
+
+    `per_sample`: one matrix product a sample, of the same shape whatever N: BLAS picks its
+    kernel (and so its summation order) by the product's shape, so blocks of samples give
+    a sample other bits at another batch size; one sample at a time gives it the same."""
     oc, kh, kw, c = w.shape
     cols = windows(pad(x, padding), (kh, kw), stride)
     n, oh, ow = cols.shape[:3]
     w_t = w.reshape(oc, kh * kw * c).T
     y = np.empty((n, oh, ow, oc), dtype=np.result_type(x, w))
-    step = _block_samples(oh * ow * kh * kw * c * x.itemsize)
+    step = 1 if per_sample else _block_samples(oh * ow * kh * kw * c * x.itemsize)
     for i in range(0, n, step):
         # The reshape copies the overlapping windows into one matrix (im2col).
         block = cols[i:i + step].reshape(-1, kh * kw * c)
@@ -75,13 +79,14 @@ def conv_backward_filter(x: np.ndarray, d_z: np.ndarray, kernel: tuple[int, int]
 
 
 def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int],
-                       stride: tuple[int, int], padding: tuple[int, int]) -> np.ndarray:
+                       stride: tuple[int, int], padding: tuple[int, int], per_sample: bool = False) -> np.ndarray:
     """d_x (N, H, W, C): the transpose of `conv_forward` applied to `d_z`.
 
     For each of the KH*KW kernel taps, one matrix product d_z @ w[:, kh, kw, :] gives that
     tap's contribution, contiguous (N, OH, OW, C), added into the padded gradient with
     one strided add; a single product followed by strided reads of its (KH, KW) slices
-    was measured 2-7x slower. Blocks of samples keep the adds in cache.
+    was measured 2-7x slower. Blocks of samples keep the adds in cache; `per_sample`:
+    blocks of one sample, as in `conv_forward`.
     """
     n, oh, ow, oc = d_z.shape
     _, kh, kw, c = w.shape
@@ -90,7 +95,7 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
     h, w_in = input_hw
     hp, wp = h + 2 * ph, w_in + 2 * pw
     d_xp = np.zeros((n, hp, wp, c), dtype=np.result_type(w, d_z))
-    step = _block_samples((hp * wp + oh * ow) * c * d_xp.itemsize)
+    step = 1 if per_sample else _block_samples((hp * wp + oh * ow) * c * d_xp.itemsize)
     for b in range(0, n, step):
         rows = d_z[b:b + step].reshape(-1, oc)
         out = d_xp[b:b + step]

@@ -54,6 +54,21 @@ def _axes(spec: LayerSpec) -> tuple[int, ...]:
     return norm.LAYER_AXES if spec.normalization is Normalization.LAYER_NORM else norm.BATCH_AXES
 
 
+def _sample_wise(spec: LayerSpec) -> bool:
+    """Whether the norm's reductions run one sample at a time: layer norm's, in a
+    batch-invariant layer (numpy's reduction over one sample then has one shape whatever N)."""
+    return spec.batch_invariant and spec.normalization is Normalization.LAYER_NORM
+
+
+def _per_sample(fn: Any, *arrays: np.ndarray, **fixed: Any) -> Any:
+    """fn over each sample of `arrays` (leading axis N), the results joined along N (each
+    of a tuple of results, for a function that returns one)."""
+    parts = [fn(*(a[i:i + 1] for a in arrays), **fixed) for i in range(arrays[0].shape[0])]
+    if isinstance(parts[0], tuple):
+        return tuple(np.concatenate(p) for p in zip(*parts))
+    return np.concatenate(parts)
+
+
 def check_params(spec: LayerSpec, params: Mapping[str, Any], running: Mapping[str, Any] | None,
                  need_running: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
     """NumPy views of `params` and `running`, each key, shape and dtype as the spec's state
@@ -81,7 +96,7 @@ def _pre_activations(spec: LayerSpec, params: dict, x: np.ndarray) -> np.ndarray
     """conv(x, W) + b, (N, OH, OW, OC), rounded to the storage dtype."""
     ct, st = compute_dtype(spec.dtype), storage_dtype(spec.dtype)
     z = conv.conv_forward(x.astype(ct, copy=False), params["weights"].astype(ct, copy=False), spec.stride,
-                          spec.padding)
+                          spec.padding, per_sample=spec.batch_invariant)
     if spec.bias:
         z += params["bias"].astype(ct, copy=False)
     return z.astype(st, copy=False)
@@ -92,7 +107,8 @@ def _statistics(spec: LayerSpec, z: np.ndarray, training: bool,
     """(mean, inv_std, from_batch) of the norm; a training batch norm updates `running` in place."""
     axes = _axes(spec)
     if spec.batch_statistics(training):
-        mean, var = norm.statistics(z, axes)
+        mean, var = (_per_sample(norm.statistics, z, axes=axes) if _sample_wise(spec)
+                     else norm.statistics(z, axes))
         if spec.normalization is Normalization.BATCH_NORM and running is not None:
             count = z.size // z.shape[-1]
             scaled = var * var.dtype.type(spec.running_var_scale(count))
@@ -162,7 +178,11 @@ def grad_pre_activations(params: dict, saved: Saved, d_y: np.ndarray) -> tuple[n
     d_gamma, d_beta = norm.param_backward(d_a, x_hat)
     gamma = params["gamma"]
     if saved.batch_stats:
-        d_z = norm.backward_batch_statistics(d_a, x_hat, saved.inv_std, gamma, _axes(spec))
+        if _sample_wise(spec):
+            d_z = _per_sample(norm.backward_batch_statistics, d_a, x_hat, saved.inv_std, gamma=gamma,
+                              axes=_axes(spec))
+        else:
+            d_z = norm.backward_batch_statistics(d_a, x_hat, saved.inv_std, gamma, _axes(spec))
     else:
         d_z = norm.backward_fixed_statistics(d_a, saved.inv_std, gamma, _axes(spec))
     return d_z, {"gamma": d_gamma, "beta": d_beta}
@@ -197,7 +217,8 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
     d_x = None
     if want_input:
         w = params["weights"].astype(ct, copy=False)
-        d_x = conv.conv_backward_data(w, d_z_stored, (call.in_height, call.in_width), call.stride, call.padding)
+        d_x = conv.conv_backward_data(w, d_z_stored, (call.in_height, call.in_width), call.stride, call.padding,
+                                      per_sample=spec.batch_invariant)
         d_x = to_library(d_x.astype(st, copy=False), lib)
     if not want_params:
         return None, d_x

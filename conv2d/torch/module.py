@@ -117,7 +117,9 @@ class Conv2dNormActivation(nn.Module):
     torch.compile. `graph_counts()` says how the calls went.
     `backend_options`: a dict of the CUDA backend's options (e.g. {"allow_tf32": True};
     `conv2d.backend.OPTIONS["cuda"]` lists them), checked here; CPU tensors run on the
-    reference backend, which has none.
+    reference backend, which has none. `batch_invariant`: LayerSpec's (a sample's results
+    bitwise the same whatever batch it is in; CPU tensors only for now: the CUDA backend
+    refuses it with NotImplementedError at the first call).
 
     `nn.Conv2d`'s and `nn.BatchNorm2d`'s other arguments are taken by name and refused
     unless they have their default (NotImplementedError naming the option): `dilation`,
@@ -137,7 +139,8 @@ class Conv2dNormActivation(nn.Module):
                  padding_mode: str = "zeros", norm: str = "batch_norm", activation: str = "relu", eps: float = 1e-5,
                  momentum: float | None = 0.1, affine: bool = True, track_running_stats: bool = True,
                  running_var: str = "unbiased", device: Any = None, dtype: Any = None, layout: str = "NCHW",
-                 cuda_graphs: bool = True, backend_options: dict[str, Any] | None = None) -> None:
+                 cuda_graphs: bool = True, backend_options: dict[str, Any] | None = None,
+                 batch_invariant: bool = False) -> None:
         super().__init__()
         _refuse_unimplemented(padding=padding, dilation=dilation, groups=groups, padding_mode=padding_mode,
                               affine=affine, track_running_stats=track_running_stats, momentum=momentum)
@@ -158,7 +161,8 @@ class Conv2dNormActivation(nn.Module):
         self._spec = LayerSpec(batch_size=None, in_height=kh, in_width=kw, in_channels=in_channels,
                                out_channels=out_channels, kernel=kernel_size, stride=stride, padding=padding,
                                activation=activation, normalization=norm, bn_momentum=momentum, bn_epsilon=eps,
-                               bias=bias, bn_running_var=running_var, dtype=_DTYPES.get(dtype, DType.FLOAT32))
+                               bias=bias, bn_running_var=running_var, dtype=_DTYPES.get(dtype, DType.FLOAT32),
+                               batch_invariant=batch_invariant)
         s = self._spec
         self.add_module("0", _ConvParameters(in_channels, out_channels, s.kernel, bias, device, dtype))
         if s.normalization is not Normalization.NONE:

@@ -1,0 +1,134 @@
+"""LayerSpec(batch_invariant=True): a sample's results are bitwise the same whatever batch
+it is computed in (its size, its other samples, its position), for every output that is
+a function of the sample alone: evaluate (any norm), the training forward without batch
+norm or with layer norm, and the input gradient of those. Reference backend (CI); the
+CUDA backend refuses the option until it has it."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import conv2d
+from conftest import make_layer, small_layer_spec
+from conv2d import LayerSpec
+
+DTYPES = ["float64", "float32", "bfloat16", "float16"]
+# 1x1, 3x3 and 5x5 kernels, strides 1 to 3, 1 to 64 channels.
+SHAPES = {
+    "1x1": dict(in_height=5, in_width=4, in_channels=1, out_channels=3, kernel=1, stride=1, padding=0),
+    "3x3": dict(in_height=7, in_width=6, in_channels=4, out_channels=8, kernel=3, stride=1, padding=1),
+    "5x5s2": dict(in_height=9, in_width=8, in_channels=16, out_channels=5, kernel=5, stride=2, padding=2),
+    "3x3s3": dict(in_height=9, in_width=9, in_channels=64, out_channels=64, kernel=3, stride=3, padding=0),
+}
+BATCHES = [1, 2, 3, 7, 31, 32, 33, 255, 256]
+
+
+def invariant_spec(shape, norm, dtype):
+    return LayerSpec(batch_size=None, **SHAPES[shape], activation="gelu", normalization=norm, dtype=dtype,
+                     batch_invariant=True)
+
+
+def pool(spec, n, seed=3):
+    """n distinct samples (N, H, W, C) and output gradients in the spec's storage dtype."""
+    from conv2d.dtypes import storage_dtype
+
+    rng = np.random.default_rng(seed)
+    st = storage_dtype(spec.dtype)
+    x = rng.standard_normal((n, spec.in_height, spec.in_width, spec.in_channels)).astype(st)
+    d_y = rng.standard_normal((n, spec.out_height, spec.out_width, spec.out_channels)).astype(st)
+    return x, d_y
+
+
+def assert_rows_as_alone(batched, alone_of, n, label):
+    """Rows 0, n // 2 and n - 1 of `batched` (computed on a batch of n) are, byte for
+    byte, what `alone_of(i)` gives for sample i computed in a batch of one."""
+    for i in sorted({0, n // 2, n - 1}):
+        alone = np.asarray(alone_of(i))[0]
+        assert np.asarray(batched)[i].tobytes() == alone.tobytes(), f"{label}: row {i} of a batch of {n}"
+
+
+def layer_for(spec):
+    # Batch norm's running statistics and the norm parameters are not the defaults.
+    return make_layer(dataclasses.replace(spec), seed=5)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("norm", ["none", "batch_norm", "layer_norm"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_evaluate_gives_each_sample_the_bits_it_gets_alone(dtype, norm, shape):
+    spec = invariant_spec(shape, norm, dtype)
+    layer = layer_for(spec)
+    x, _ = pool(spec, max(BATCHES))
+    for n in BATCHES:
+        batch = np.ascontiguousarray(x[:n])
+        assert_rows_as_alone(layer.evaluate(batch), lambda i: layer.evaluate(x[i:i + 1]), n, f"evaluate, {dtype}")
+        # the same samples in the opposite order: a sample's bits do not depend on its position
+        reversed_rows = np.asarray(layer.evaluate(np.ascontiguousarray(batch[::-1])))[::-1]
+        assert reversed_rows.tobytes() == np.asarray(layer.evaluate(batch)).tobytes(), f"reversed batch of {n}"
+
+
+@pytest.mark.parametrize("shape", ["1x1", "3x3", "5x5s2"])
+@pytest.mark.parametrize("norm", ["none", "layer_norm"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_training_forward_without_batch_norm_gives_each_sample_the_bits_it_gets_alone(dtype, norm, shape):
+    spec = invariant_spec(shape, norm, dtype)
+    layer = layer_for(spec)
+    x, _ = pool(spec, max(BATCHES))
+    for n in BATCHES:
+        assert_rows_as_alone(layer.forward(np.ascontiguousarray(x[:n])), lambda i: layer.forward(x[i:i + 1]), n,
+                             f"training forward, {dtype}")
+
+
+@pytest.mark.parametrize("shape", ["1x1", "3x3", "5x5s2"])
+@pytest.mark.parametrize("norm, training", [("none", True), ("layer_norm", True), ("batch_norm", False)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_input_gradient_gives_each_sample_the_bits_it_gets_alone(dtype, norm, training, shape):
+    spec = invariant_spec(shape, norm, dtype)
+    layer = layer_for(spec)
+    x, d_y = pool(spec, max(BATCHES))
+
+    def d_x(lo, hi):
+        layer.forward(np.ascontiguousarray(x[lo:hi]), training=training)
+        return layer.backward_input(np.ascontiguousarray(d_y[lo:hi]))
+
+    for n in BATCHES:
+        assert_rows_as_alone(d_x(0, n), lambda i: d_x(i, i + 1), n, f"d_x, {dtype}")
+
+
+def test_batch_invariance_is_a_bool():
+    with pytest.raises(ValueError, match="batch_invariant: expected a bool"):
+        small_layer_spec(batch_invariant=1)
+
+
+def test_batch_invariance_is_saved_and_loaded(tmp_path):
+    spec = small_layer_spec(batch_invariant=True)
+    conv2d.save(make_layer(spec), tmp_path / "layer.npz")
+    assert conv2d.load(tmp_path / "layer.npz").spec.batch_invariant is True
+    # a file written before the field existed loads as batch_invariant=False
+    assert LayerSpec.from_dict({k: v for k, v in small_layer_spec().to_dict().items()
+                                if k != "batch_invariant"}).batch_invariant is False
+
+
+def test_the_cuda_backend_refuses_batch_invariance_until_it_has_it():
+    pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (the test extra brings it)")
+    from conv2d.cuda.functional import Functions
+    from host_convolutions import HostConvolutions
+
+    with pytest.raises(NotImplementedError, match="batch_invariant"):
+        Functions(small_layer_spec(batch_invariant=True), convolutions=HostConvolutions)
+
+
+def test_the_module_takes_batch_invariant_on_the_cpu():
+    torch = pytest.importorskip("torch")
+    from conv2d.torch import Conv2dNormActivation
+
+    torch.manual_seed(0)
+    m = Conv2dNormActivation(4, 8, 3, padding=1, norm="layer_norm", activation="gelu", dtype=torch.float32,
+                             batch_invariant=True).eval()
+    x = torch.randn(33, 4, 7, 6).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        batched = m(x)
+        for i in (0, 16, 32):
+            alone = m(x[i:i + 1].contiguous(memory_format=torch.channels_last))
+            assert torch.equal(batched[i], alone[0]), i
