@@ -132,3 +132,19 @@ def test_the_module_takes_batch_invariant_on_the_cpu():
         for i in (0, 16, 32):
             alone = m(x[i:i + 1].contiguous(memory_format=torch.channels_last))
             assert torch.equal(batched[i], alone[0]), i
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_breakout_actor_at_batch_one_gets_the_learners_q_values_bitwise(dtype):
+    from conv2d.demos import breakout
+    from conv2d.dtypes import storage_dtype
+    from conv2d.optim import Adam
+
+    st = storage_dtype(dtype)
+    q = breakout.q_network(3, 32, dtype, "reference", batch_invariant=True)
+    q.init_weights(np.random.default_rng(0))
+    net = breakout._CallByCall(q, q, Adam(q), 32, 3, st)  # the demo's actor and learner: one network
+    states = (np.random.default_rng(1).random((32, 10, 10, 4)) < 0.1).astype(st)  # MinAtar's 0/1 planes
+    learner, _ = net.values(states, states)
+    for i in range(32):
+        assert net.act(states[i]).tobytes() == learner[i:i + 1].tobytes(), i

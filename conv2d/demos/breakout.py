@@ -39,8 +39,11 @@ EPS_FRACTION = 0.2
 WINDOW = 50  # episodes of the reported mean return
 
 
-def q_network(actions: int, batch_size: int, dtype: str, backend: str) -> Sequential:
-    common = dict(batch_size=batch_size, dtype=dtype)
+def q_network(actions: int, batch_size: int, dtype: str, backend: str, batch_invariant: bool = False) -> Sequential:
+    """The Q-network: observations (N, 10, 10, 4) -> Q-values (N, 1, 1, actions). With
+    `batch_invariant` the actor's Q-values of a state at batch 1 are bitwise the learner's
+    for the same state in a batch (LayerSpec.batch_invariant; reference backend)."""
+    common = dict(batch_size=batch_size, dtype=dtype, batch_invariant=batch_invariant)
     return Sequential.from_specs([
         LayerSpec(in_height=10, in_width=10, in_channels=4, out_channels=16, kernel=3, activation="relu", **common),
         LayerSpec(in_height=8, in_width=8, in_channels=16, out_channels=128, kernel=8, activation="relu", **common),
