@@ -24,11 +24,14 @@ class Activation(str, Enum):
     GELU_TANH = "gelu_tanh"
     GELU = "gelu"
     GELU_ORIGINAL = "gelu_original"
+    SILU = "silu"
+    RELU6 = "relu6"
+    HARDSWISH = "hardswish"
 
 
 # Activations whose derivative jumps (ReLU's at 0): gradients through them get a wider
 # tolerance in low precision (conv2d.dtypes.tolerance).
-JUMPING_DERIVATIVE = frozenset({Activation.RELU})
+JUMPING_DERIVATIVE = frozenset({Activation.RELU, Activation.RELU6, Activation.HARDSWISH})
 
 # k of the tanh approximation of GELU: PyTorch's approximate="tanh" uses sqrt(2/pi); the
 # original C++ library used half of it, kept so that its trained models load unchanged.
@@ -36,6 +39,8 @@ GELU_TANH_K = math.sqrt(2.0 / math.pi)
 GELU_ORIGINAL_K = 0.5 * math.sqrt(2.0 / math.pi)
 GELU_CUBIC = 0.044715
 FAST_TANH_CLAMP = 3.0
+RELU6_CAP = 6.0  # ReLU6: min(max(x, 0), 6); hardswish: x * relu6(x + 3) / 6
+HARDSWISH_SHIFT = 3.0
 INV_SQRT2 = 1.0 / math.sqrt(2.0)
 INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -74,6 +79,12 @@ def forward(act: Activation, x: np.ndarray) -> np.ndarray:
         return _gelu_tanh(x, dt(GELU_ORIGINAL_K)).astype(x.dtype, copy=False)
     if act is Activation.GELU:
         return (dt(0.5) * x * (dt(1) + special.erf(x * dt(INV_SQRT2)))).astype(x.dtype, copy=False)
+    if act is Activation.SILU:
+        return x * special.expit(x)
+    if act is Activation.RELU6:
+        return np.clip(x, dt(0), dt(RELU6_CAP))  # NaN stays NaN
+    if act is Activation.HARDSWISH:
+        return x * np.clip(x + dt(HARDSWISH_SHIFT), dt(0), dt(RELU6_CAP)) / dt(RELU6_CAP)
     raise ValueError(f"activation: unknown {act!r}")
 
 
@@ -102,4 +113,15 @@ def derivative(act: Activation, x: np.ndarray) -> np.ndarray:
         cdf = dt(0.5) * (dt(1) + special.erf(x * dt(INV_SQRT2)))
         pdf = np.exp(dt(-0.5) * x * x) * dt(INV_SQRT_2PI)
         return (cdf + x * pdf).astype(x.dtype, copy=False)
+    if act is Activation.SILU:
+        s = special.expit(x)
+        return s * (dt(1) + x * (dt(1) - s))
+    if act is Activation.RELU6:
+        # As PyTorch: 1 strictly inside (0, 6), 0 at and beyond the ends.
+        return ((x > 0) & (x < dt(RELU6_CAP))).astype(x.dtype)
+    if act is Activation.HARDSWISH:
+        # As PyTorch (2.13): 0 up to -3, x / 3 + 1/2 strictly between -3 and 3, 1 from 3 on.
+        middle = x / dt(HARDSWISH_SHIFT) + dt(0.5)
+        return np.where(x <= -dt(HARDSWISH_SHIFT), dt(0), np.where(x < dt(HARDSWISH_SHIFT), middle, dt(1))
+                        ).astype(x.dtype, copy=False)
     raise ValueError(f"activation: unknown {act!r}")

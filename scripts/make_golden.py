@@ -20,29 +20,33 @@ from conv2d.spec import LayerSpec
 from conv2d.state import state_layout
 from conv2d.testing import torch_oracle
 
-# name -> (spec fields, input scale). Together they cover every activation, every norm,
+# name -> (spec fields, input scale, seed). Together they cover every activation, every norm,
 # training and eval, strides 1/2/4, paddings 0/1/2, non-square inputs and kernels, 1x1
 # kernels, batch 1, one channel and odd counts.
 GOLDEN = {
-    "identity_plain_k3": (dict(batch_size=2, in_height=8, in_width=8, in_channels=3, out_channels=4, kernel=3, padding=1, activation="identity"), 1.0),
-    "relu_bn_nonsquare": (dict(batch_size=4, in_height=7, in_width=9, in_channels=3, out_channels=5, kernel=3, padding=1, activation="relu", normalization="batch_norm"), 1.0),
-    "tanh_bn_stride2": (dict(batch_size=3, in_height=9, in_width=9, in_channels=2, out_channels=3, kernel=3, stride=2, padding=1, activation="tanh", normalization="batch_norm"), 1.0),
-    "sigmoid_rect_kernel": (dict(batch_size=2, in_height=8, in_width=7, in_channels=3, out_channels=4, kernel=(3, 2), stride=(2, 1), padding=(1, 0), activation="sigmoid"), 1.0),
-    "fast_tanh_bn_k5_c1": (dict(batch_size=2, in_height=9, in_width=8, in_channels=1, out_channels=3, kernel=5, padding=2, activation="fast_tanh", normalization="batch_norm"), 1.0),
-    "fast_tanh_saturating": (dict(batch_size=2, in_height=6, in_width=6, in_channels=4, out_channels=3, kernel=3, padding=1, activation="fast_tanh"), 6.0),
-    "gelu_tanh_1x1": (dict(batch_size=5, in_height=6, in_width=6, in_channels=7, out_channels=5, kernel=1, activation="gelu_tanh"), 1.0),
-    "gelu_bn_dqn_like": (dict(batch_size=2, in_height=20, in_width=20, in_channels=4, out_channels=6, kernel=8, stride=4, activation="gelu", normalization="batch_norm"), 1.0),
-    "gelu_original_ln": (dict(batch_size=2, in_height=6, in_width=6, in_channels=3, out_channels=4, kernel=3, padding=1, activation="gelu_original", normalization="layer_norm"), 1.0),
-    "relu_batch1_c1": (dict(batch_size=1, in_height=5, in_width=5, in_channels=1, out_channels=1, kernel=3, activation="relu"), 1.0),
-    "relu_ln_stride2_pad2": (dict(batch_size=3, in_height=7, in_width=5, in_channels=5, out_channels=7, kernel=3, stride=2, padding=2, activation="relu", normalization="layer_norm"), 1.0),
+    "identity_plain_k3": (dict(batch_size=2, in_height=8, in_width=8, in_channels=3, out_channels=4, kernel=3, padding=1, activation="identity"), 1.0, 8),
+    "relu_bn_nonsquare": (dict(batch_size=4, in_height=7, in_width=9, in_channels=3, out_channels=5, kernel=3, padding=1, activation="relu", normalization="batch_norm"), 1.0, 10),
+    "tanh_bn_stride2": (dict(batch_size=3, in_height=9, in_width=9, in_channels=2, out_channels=3, kernel=3, stride=2, padding=1, activation="tanh", normalization="batch_norm"), 1.0, 15),
+    "sigmoid_rect_kernel": (dict(batch_size=2, in_height=8, in_width=7, in_channels=3, out_channels=4, kernel=(3, 2), stride=(2, 1), padding=(1, 0), activation="sigmoid"), 1.0, 14),
+    "fast_tanh_bn_k5_c1": (dict(batch_size=2, in_height=9, in_width=8, in_channels=1, out_channels=3, kernel=5, padding=2, activation="fast_tanh", normalization="batch_norm"), 1.0, 0),
+    "fast_tanh_saturating": (dict(batch_size=2, in_height=6, in_width=6, in_channels=4, out_channels=3, kernel=3, padding=1, activation="fast_tanh"), 6.0, 1),
+    "gelu_tanh_1x1": (dict(batch_size=5, in_height=6, in_width=6, in_channels=7, out_channels=5, kernel=1, activation="gelu_tanh"), 1.0, 5),
+    "gelu_bn_dqn_like": (dict(batch_size=2, in_height=20, in_width=20, in_channels=4, out_channels=6, kernel=8, stride=4, activation="gelu", normalization="batch_norm"), 1.0, 2),
+    "gelu_original_ln": (dict(batch_size=2, in_height=6, in_width=6, in_channels=3, out_channels=4, kernel=3, padding=1, activation="gelu_original", normalization="layer_norm"), 1.0, 4),
+    "relu_batch1_c1": (dict(batch_size=1, in_height=5, in_width=5, in_channels=1, out_channels=1, kernel=3, activation="relu"), 1.0, 9),
+    "relu_ln_stride2_pad2": (dict(batch_size=3, in_height=7, in_width=5, in_channels=5, out_channels=7, kernel=3, stride=2, padding=2, activation="relu", normalization="layer_norm"), 1.0, 11),
     # Kernel 2 with padding 2: whole windows of padding, outputs that are the bias alone.
     # Not with ReLU: many equal values near its jump would all flip together in 16 bits.
-    "sigmoid_ln_padding_windows": (dict(batch_size=3, in_height=7, in_width=5, in_channels=5, out_channels=7, kernel=2, stride=2, padding=2, activation="sigmoid", normalization="layer_norm"), 1.0),
-    "tanh_stride4_pad2": (dict(batch_size=2, in_height=11, in_width=13, in_channels=3, out_channels=2, kernel=4, stride=4, padding=2, activation="tanh"), 1.0),
-    "sigmoid_bn_batch1_1x1_s2": (dict(batch_size=1, in_height=5, in_width=7, in_channels=9, out_channels=3, kernel=1, stride=2, activation="sigmoid", normalization="batch_norm"), 1.0),
-    "gelu_tanh_bn_momentum": (dict(batch_size=3, in_height=6, in_width=10, in_channels=3, out_channels=5, kernel=(1, 3), stride=(1, 2), padding=(0, 1), activation="gelu_tanh", normalization="batch_norm", bn_momentum=0.3, bn_epsilon=1e-3), 1.0),
-    "identity_bn_k3": (dict(batch_size=4, in_height=5, in_width=5, in_channels=2, out_channels=3, kernel=3, padding=1, activation="identity", normalization="batch_norm"), 1.0),
-    "gelu_odd_sizes": (dict(batch_size=3, in_height=13, in_width=11, in_channels=5, out_channels=7, kernel=(5, 3), stride=(3, 2), padding=(2, 1), activation="gelu"), 1.0),
+    "sigmoid_ln_padding_windows": (dict(batch_size=3, in_height=7, in_width=5, in_channels=5, out_channels=7, kernel=2, stride=2, padding=2, activation="sigmoid", normalization="layer_norm"), 1.0, 13),
+    "tanh_stride4_pad2": (dict(batch_size=2, in_height=11, in_width=13, in_channels=3, out_channels=2, kernel=4, stride=4, padding=2, activation="tanh"), 1.0, 16),
+    "sigmoid_bn_batch1_1x1_s2": (dict(batch_size=1, in_height=5, in_width=7, in_channels=9, out_channels=3, kernel=1, stride=2, activation="sigmoid", normalization="batch_norm"), 1.0, 12),
+    "gelu_tanh_bn_momentum": (dict(batch_size=3, in_height=6, in_width=10, in_channels=3, out_channels=5, kernel=(1, 3), stride=(1, 2), padding=(0, 1), activation="gelu_tanh", normalization="batch_norm", bn_momentum=0.3, bn_epsilon=1e-3), 1.0, 6),
+    "identity_bn_k3": (dict(batch_size=4, in_height=5, in_width=5, in_channels=2, out_channels=3, kernel=3, padding=1, activation="identity", normalization="batch_norm"), 1.0, 7),
+    "gelu_odd_sizes": (dict(batch_size=3, in_height=13, in_width=11, in_channels=5, out_channels=7, kernel=(5, 3), stride=(3, 2), padding=(2, 1), activation="gelu"), 1.0, 3),
+    # Added later, each with its own seed (the seeds above are the files' original ones).
+    "silu_bn_k3": (dict(batch_size=3, in_height=7, in_width=6, in_channels=3, out_channels=5, kernel=3, padding=1, activation="silu", normalization="batch_norm"), 2.0, 17),
+    "relu6_ln_stride2": (dict(batch_size=2, in_height=9, in_width=8, in_channels=4, out_channels=6, kernel=3, stride=2, padding=1, activation="relu6", normalization="layer_norm"), 4.0, 18),
+    "hardswish_plain_k5": (dict(batch_size=2, in_height=8, in_width=8, in_channels=2, out_channels=4, kernel=5, padding=2, activation="hardswish"), 4.0, 19),
 }
 
 
@@ -77,9 +81,15 @@ def make(name: str, fields: dict, scale: float, seed: int) -> dict[str, np.ndarr
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "conv2d" / "golden")
+    parser.add_argument("--only", help="comma-separated names of the files to write (default: all)")
     args = parser.parse_args()
+    names = sorted(GOLDEN) if not args.only else args.only.split(",")
+    unknown = sorted(set(names) - set(GOLDEN))
+    if unknown:
+        parser.error(f"--only: unknown {unknown}; known are {sorted(GOLDEN)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    for seed, (name, (fields, scale)) in enumerate(sorted(GOLDEN.items())):
+    for name in names:
+        fields, scale, seed = GOLDEN[name]
         np.savez_compressed(args.out / f"{name}.npz", **make(name, fields, scale, seed))
         print(f"wrote {args.out / (name + '.npz')}")
 

@@ -27,8 +27,12 @@ FORMULAS = {
     Activation.GELU_TANH: lambda x: 0.5 * x * (1 + math.tanh(K_TANH * (x + 0.044715 * x**3))),
     Activation.GELU: lambda x: 0.5 * x * (1 + math.erf(x / math.sqrt(2))),
     Activation.GELU_ORIGINAL: lambda x: 0.5 * x * (1 + math.tanh(K_ORIGINAL * (x + 0.044715 * x**3))),
+    Activation.SILU: lambda x: x / (1 + math.exp(-x)),
+    Activation.RELU6: lambda x: min(max(x, 0.0), 6.0),
+    Activation.HARDSWISH: lambda x: x * min(max(x + 3.0, 0.0), 6.0) / 6.0,
 }
-# Points away from ReLU's kink at 0 and fast_tanh's clamp at +-3.
+# Points away from the kinks: ReLU's and ReLU6's at 0 (and 6), fast_tanh's clamp and
+# hardswish's ends at +-3.
 GRID = np.array([-7.3, -3.4, -2.9, -1.1, -0.37, -0.01, 0.02, 0.45, 1.3, 2.8, 3.3, 6.1])
 
 
@@ -52,6 +56,13 @@ def test_fast_tanh_derivative_is_one_minus_its_square_as_the_original():
 
 def test_relu_derivative_at_zero_is_zero():
     assert derivative(Activation.RELU, np.zeros(1))[0] == 0.0
+
+
+def test_relu6_and_hardswish_derivatives_at_their_kinks_are_pytorchs():
+    # PyTorch 2.13: ReLU6 (hardtanh) passes the gradient strictly inside (0, 6);
+    # hardswish's is 0 at -3 and 1 at 3 (x / 3 + 1/2 strictly between).
+    np.testing.assert_array_equal(derivative(Activation.RELU6, np.array([0.0, 6.0])), [0.0, 0.0])
+    np.testing.assert_array_equal(derivative(Activation.HARDSWISH, np.array([-3.0, 3.0])), [0.0, 1.0])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

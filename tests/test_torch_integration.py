@@ -245,6 +245,16 @@ def test_swap_converts_every_run_and_computes_what_the_model_did():
     torch.testing.assert_close(swapped(x), model(x))
 
 
+@pytest.mark.parametrize("activation", [nn.SiLU, nn.ReLU6, nn.Hardswish])
+def test_swap_converts_the_newer_activations(activation):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), activation()).double().eval()
+    x = nchw(4, 3, 6, 6) * 4  # past hardswish's and relu6's ends
+    swapped = swap(copy.deepcopy(model))
+    assert [type(m).__name__ for m in swapped.modules()].count("Conv2dNormActivation") == 1
+    torch.testing.assert_close(swapped(x), model(x))
+
+
 def test_checkpoints_load_either_way_between_a_model_and_its_swap():
     model = _model()
     swapped = swap(copy.deepcopy(model))

@@ -50,6 +50,12 @@ def _activation(name: str, a: torch.Tensor) -> torch.Tensor:
     if name == "gelu_original":
         k = 0.5 * math.sqrt(2 / math.pi)
         return 0.5 * a * (1 + torch.tanh(k * (a + 0.044715 * a**3)))
+    if name == "silu":
+        return F.silu(a)
+    if name == "relu6":
+        return F.relu6(a)
+    if name == "hardswish":
+        return F.hardswish(a)
     raise ValueError(f"oracle: unknown activation {name!r}")
 
 

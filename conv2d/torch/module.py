@@ -101,8 +101,8 @@ class Conv2dNormActivation(nn.Module):
     is copied once to channels_last. y: (N, OC, OH, OW) in channels_last memory.
     `norm`: "batch_norm" (nn.BatchNorm2d), "layer_norm" (nn.GroupNorm(1, OC): one mean and
     variance per sample over C, H, W, affine per channel) or "none". `activation`: a name
-    of `conv2d.Activation` ("relu", "gelu", "gelu_tanh", "tanh", "sigmoid", "identity",
-    and the original library's "fast_tanh", "gelu_original"). `running_var`: "unbiased"
+    of `conv2d.Activation` ("relu", "gelu", "gelu_tanh", "tanh", "sigmoid", "silu", "relu6",
+    "hardswish", "identity", and the original library's "fast_tanh", "gelu_original"). `running_var`: "unbiased"
     (PyTorch's BatchNorm2d, the default here) or "biased" (the original library's).
     `layout`: "NCHW" (the default, as above) or "NHWC": x is (N, H, W, C), as this
     library's arrays and JAX's convolutions, read in place when contiguous (else copied
@@ -242,6 +242,34 @@ class Conv2dNormActivation(nn.Module):
         dtype = _DTYPES.get(w.dtype, DType.FLOAT32)  # another dtype is refused at the call
         self._op_key = ops.key_for(backend, self._spec_for(dtype), w.device,
                                    self.backend_options if backend == "cuda" else {})
+
+    def fold_batch_norm(self) -> "Conv2dNormActivation":
+        """A new module for inference, in eval mode, on the same device, dtype and layout:
+        batch norm's running statistics and affine folded into the convolution's weight
+        and bias (`conv2d.fold`, in float64, then cast to the module's dtype), norm
+        "none". Its output agrees with this module's eval output within the dtype's
+        tolerance, not bitwise. ValueError for a module without batch norm."""
+        from conv2d.fold import folded_state
+
+        norm = self.norm
+        spec = dataclasses.replace(self._spec, dtype=DType.FLOAT64,
+                                   bn_epsilon=getattr(norm, "eps", self._spec.bn_epsilon))
+        weight = self.conv.weight
+        state = {k: t.detach().to("cpu", torch.float64).numpy()
+                 for k, t in (("weights", weight.permute(0, 2, 3, 1)), ("bias", self.conv.bias),
+                              ("gamma", getattr(norm, "weight", None)), ("beta", getattr(norm, "bias", None)),
+                              ("running_mean", getattr(norm, "running_mean", None)),
+                              ("running_var", getattr(norm, "running_var", None))) if t is not None}
+        folded = folded_state(spec, state)  # raises without batch norm
+        s = self._spec
+        other = Conv2dNormActivation(s.in_channels, s.out_channels, s.kernel, s.stride, s.padding, bias=True,
+                                     norm="none", activation=s.activation.value, device=weight.device,
+                                     dtype=weight.dtype, layout=self.layout, cuda_graphs=self.cuda_graphs,
+                                     backend_options=self.backend_options, batch_invariant=s.batch_invariant)
+        with torch.no_grad():
+            other.conv.weight.copy_(torch.from_numpy(folded["weights"]).permute(0, 3, 1, 2))
+            other.conv.bias.copy_(torch.from_numpy(folded["bias"]))
+        return other.eval()
 
     def _follow_norm(self) -> bool:
         """Whether the norm trains (batch norm: its own flag, as nn.BatchNorm2d's, which
@@ -390,7 +418,8 @@ def activation_module(name: str | Activation) -> nn.Module:
     act = Activation(name)
     table = {Activation.IDENTITY: nn.Identity, Activation.RELU: nn.ReLU, Activation.TANH: nn.Tanh,
              Activation.SIGMOID: nn.Sigmoid, Activation.GELU: nn.GELU,
-             Activation.GELU_TANH: lambda: nn.GELU(approximate="tanh")}
+             Activation.GELU_TANH: lambda: nn.GELU(approximate="tanh"), Activation.SILU: nn.SiLU,
+             Activation.RELU6: nn.ReLU6, Activation.HARDSWISH: nn.Hardswish}
     if act not in table:
         raise ValueError(f"activation: PyTorch has no {act.value!r} (the original library's own)")
     return table[act]()

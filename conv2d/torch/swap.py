@@ -23,7 +23,8 @@ from torch import nn
 
 from conv2d.torch.module import Conv2dNormActivation
 
-_ACTIVATIONS = {nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.Identity: "identity"}
+_ACTIVATIONS = {nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.Identity: "identity", nn.SiLU: "silu",
+                nn.ReLU6: "relu6", nn.Hardswish: "hardswish"}
 _HANDLES = "_conv2d_swap_handles"  # on each container that holds swapped modules: its hooks
 
 

@@ -24,6 +24,8 @@ CLAMP = f32(act_table.FAST_TANH_CLAMP)
 INV_SQRT2 = f32(act_table.INV_SQRT2)
 INV_SQRT_2PI = f32(act_table.INV_SQRT_2PI)
 F27, F9 = f32(27), f32(9)
+CAP6 = f32(act_table.RELU6_CAP)
+SHIFT3 = f32(act_table.HARDSWISH_SHIFT)
 
 
 # The activation table (conv2d/activations.py), one scalar at a time in float32.
@@ -72,6 +74,22 @@ def activation_functions(act: Activation):
     elif act is Activation.GELU:
         def f(x): return HALF * x * (ONE + math.erf(x * INV_SQRT2))
         def d(x): return HALF * (ONE + math.erf(x * INV_SQRT2)) + x * math.exp(-HALF * x * x) * INV_SQRT_2PI
+    elif act is Activation.SILU:
+        def f(x): return x * _sigmoid(x)
+        def d(x):
+            s = _sigmoid(x)
+            return s * (ONE + x * (ONE - s))
+    elif act is Activation.RELU6:
+        def f(x): return x if x != x else min(max(x, ZERO), CAP6)  # NaN stays NaN, as np.clip
+        def d(x): return ONE if (x > ZERO and x < CAP6) else ZERO
+    elif act is Activation.HARDSWISH:
+        def f(x): return x if x != x else x * min(max(x + SHIFT3, ZERO), CAP6) / CAP6
+        def d(x):
+            if x <= -SHIFT3:
+                return ZERO
+            if x < SHIFT3:
+                return x / SHIFT3 + HALF
+            return ONE
     else:
         raise ValueError(f"activation: unknown {act!r}")
     return cuda.jit(device=True, inline=True)(f), cuda.jit(device=True, inline=True)(d)
