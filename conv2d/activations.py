@@ -27,11 +27,14 @@ class Activation(str, Enum):
     SILU = "silu"
     RELU6 = "relu6"
     HARDSWISH = "hardswish"
+    LEAKY_RELU = "leaky_relu"
+    ELU = "elu"
 
 
 # Activations whose derivative jumps (ReLU's at 0): gradients through them get a wider
 # tolerance in low precision (conv2d.dtypes.tolerance).
-JUMPING_DERIVATIVE = frozenset({Activation.RELU, Activation.RELU6, Activation.HARDSWISH})
+JUMPING_DERIVATIVE = frozenset({Activation.RELU, Activation.RELU6, Activation.HARDSWISH, Activation.LEAKY_RELU,
+                                Activation.ELU})
 
 # k of the tanh approximation of GELU: PyTorch's approximate="tanh" uses sqrt(2/pi); the
 # original C++ library used half of it, kept so that its trained models load unchanged.
@@ -41,6 +44,8 @@ GELU_CUBIC = 0.044715
 FAST_TANH_CLAMP = 3.0
 RELU6_CAP = 6.0  # ReLU6: min(max(x, 0), 6); hardswish: x * relu6(x + 3) / 6
 HARDSWISH_SHIFT = 3.0
+# The parameters' defaults (PyTorch's): LeakyReLU's negative_slope, ELU's alpha.
+DEFAULT_PARAMETER = {Activation.LEAKY_RELU: 0.01, Activation.ELU: 1.0}
 INV_SQRT2 = 1.0 / math.sqrt(2.0)
 INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -60,9 +65,11 @@ def _fast_tanh(x: np.ndarray) -> np.ndarray:
     return c * (27.0 + c2) / (27.0 + 9.0 * c2)
 
 
-def forward(act: Activation, x: np.ndarray) -> np.ndarray:
-    """f(x), same shape and dtype as `x`."""
+def forward(act: Activation, x: np.ndarray, parameter: float | None = None) -> np.ndarray:
+    """f(x), same shape and dtype as `x`; `parameter`: LeakyReLU's negative_slope or ELU's
+    alpha (LayerSpec.activation_parameter; PyTorch's default when None)."""
     dt = x.dtype.type
+    p = dt(DEFAULT_PARAMETER.get(act, 0.0) if parameter is None else parameter)
     if act is Activation.IDENTITY:
         return x.copy()
     if act is Activation.RELU:
@@ -85,12 +92,18 @@ def forward(act: Activation, x: np.ndarray) -> np.ndarray:
         return np.clip(x, dt(0), dt(RELU6_CAP))  # NaN stays NaN
     if act is Activation.HARDSWISH:
         return x * np.clip(x + dt(HARDSWISH_SHIFT), dt(0), dt(RELU6_CAP)) / dt(RELU6_CAP)
+    if act is Activation.LEAKY_RELU:
+        return np.where(x > 0, x, x * p)
+    if act is Activation.ELU:
+        return np.where(x > 0, x, p * np.expm1(np.minimum(x, dt(0))))
     raise ValueError(f"activation: unknown {act!r}")
 
 
-def derivative(act: Activation, x: np.ndarray) -> np.ndarray:
-    """f'(x) at the activation's input `x`, same shape and dtype as `x`."""
+def derivative(act: Activation, x: np.ndarray, parameter: float | None = None) -> np.ndarray:
+    """f'(x) at the activation's input `x`, same shape and dtype as `x` (`parameter` as
+    `forward`'s)."""
     dt = x.dtype.type
+    p = dt(DEFAULT_PARAMETER.get(act, 0.0) if parameter is None else parameter)
     if act is Activation.IDENTITY:
         return np.ones_like(x)
     if act is Activation.RELU:
@@ -124,4 +137,10 @@ def derivative(act: Activation, x: np.ndarray) -> np.ndarray:
         middle = x / dt(HARDSWISH_SHIFT) + dt(0.5)
         return np.where(x <= -dt(HARDSWISH_SHIFT), dt(0), np.where(x < dt(HARDSWISH_SHIFT), middle, dt(1))
                         ).astype(x.dtype, copy=False)
+    if act is Activation.LEAKY_RELU:
+        # As PyTorch: the slope at and below 0.
+        return np.where(x > 0, dt(1), p).astype(x.dtype, copy=False)
+    if act is Activation.ELU:
+        # As PyTorch: alpha * exp(x) at and below 0.
+        return np.where(x > 0, dt(1), p * np.exp(np.minimum(x, dt(0)))).astype(x.dtype, copy=False)
     raise ValueError(f"activation: unknown {act!r}")

@@ -91,6 +91,9 @@ class LayerSpec:
     forward without batch norm or with layer norm, and the input gradient of those. Batch
     norm's training statistics and the parameter gradients sum over the batch: they stay
     deterministic, not invariant. Reference backend only for now.
+    `negative_slope` (LeakyReLU's, as PyTorch's) and `elu_alpha` (ELU's `alpha`) are the
+    parameters of those two activations; another activation refuses a value other than
+    the default.
     """
 
     batch_size: int | None = None
@@ -109,6 +112,8 @@ class LayerSpec:
     bias: bool = True
     bn_running_var: RunningVariance | str = RunningVariance.BIASED
     batch_invariant: bool = False
+    negative_slope: float = 0.01
+    elu_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -158,6 +163,15 @@ class LayerSpec:
                 raise ValueError(f"LayerSpec.bn_epsilon: {e!r} is {e32!r} in float32, the compute type of "
                                  f"{self.dtype.value}; expected a value > 0 and finite there (about 1.4e-45 to 3.4e38)")
         self._check_sizes()
+        for name, act, default in (("negative_slope", Activation.LEAKY_RELU, 0.01),
+                                   ("elu_alpha", Activation.ELU, 1.0)):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise ValueError(f"LayerSpec.{name}: expected a finite number, got {v!r}")
+            if self.activation is not act and v != default:
+                raise ValueError(f"LayerSpec.{name}: only activation={act.value!r} takes it, got {name}={v!r} "
+                                 f"with activation={self.activation.value!r}")
+            set_(self, name, float(v))
         for name in ("bias", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LayerSpec.{name}: expected a bool, got {getattr(self, name)!r}")
@@ -224,6 +238,11 @@ class LayerSpec:
         if (batch_size, h, w) == (self.batch_size, self.in_height, self.in_width):
             return self
         return _at(self, batch_size, h, w)
+
+    @property
+    def activation_parameter(self) -> float | None:
+        """The activation's parameter: LeakyReLU's negative_slope, ELU's alpha; else None."""
+        return {Activation.LEAKY_RELU: self.negative_slope, Activation.ELU: self.elu_alpha}.get(self.activation)
 
     def batch_statistics(self, training: bool) -> bool:
         """Whether the norm normalises with statistics of the values it is given: layer norm

@@ -47,6 +47,8 @@ GOLDEN = {
     "silu_bn_k3": (dict(batch_size=3, in_height=7, in_width=6, in_channels=3, out_channels=5, kernel=3, padding=1, activation="silu", normalization="batch_norm"), 2.0, 17),
     "relu6_ln_stride2": (dict(batch_size=2, in_height=9, in_width=8, in_channels=4, out_channels=6, kernel=3, stride=2, padding=1, activation="relu6", normalization="layer_norm"), 4.0, 18),
     "hardswish_plain_k5": (dict(batch_size=2, in_height=8, in_width=8, in_channels=2, out_channels=4, kernel=5, padding=2, activation="hardswish"), 4.0, 19),
+    "leaky_relu_bn_slope": (dict(batch_size=3, in_height=6, in_width=7, in_channels=3, out_channels=4, kernel=3, padding=1, activation="leaky_relu", negative_slope=0.2, normalization="batch_norm"), 1.0, 20),
+    "elu_ln_alpha": (dict(batch_size=2, in_height=7, in_width=7, in_channels=4, out_channels=5, kernel=3, stride=2, padding=1, activation="elu", elu_alpha=0.7, normalization="layer_norm"), 1.0, 21),
 }
 
 

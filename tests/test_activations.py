@@ -30,6 +30,8 @@ FORMULAS = {
     Activation.SILU: lambda x: x / (1 + math.exp(-x)),
     Activation.RELU6: lambda x: min(max(x, 0.0), 6.0),
     Activation.HARDSWISH: lambda x: x * min(max(x + 3.0, 0.0), 6.0) / 6.0,
+    Activation.LEAKY_RELU: lambda x: x if x > 0 else 0.01 * x,  # PyTorch's default negative_slope
+    Activation.ELU: lambda x: x if x > 0 else math.expm1(x),  # PyTorch's default alpha, 1
 }
 # Points away from the kinks: ReLU's and ReLU6's at 0 (and 6), fast_tanh's clamp and
 # hardswish's ends at +-3.
@@ -56,6 +58,21 @@ def test_fast_tanh_derivative_is_one_minus_its_square_as_the_original():
 
 def test_relu_derivative_at_zero_is_zero():
     assert derivative(Activation.RELU, np.zeros(1))[0] == 0.0
+
+
+@pytest.mark.parametrize("act, parameter, formula", [
+    (Activation.LEAKY_RELU, 0.2, lambda x: x if x > 0 else 0.2 * x),
+    (Activation.ELU, 0.7, lambda x: x if x > 0 else 0.7 * math.expm1(x))])
+def test_the_parameter_of_leaky_relu_and_elu_is_used(act, parameter, formula):
+    np.testing.assert_allclose(forward(act, GRID, parameter), [formula(float(v)) for v in GRID], rtol=1e-14)
+    h = 1e-6
+    numeric = [(formula(v + h) - formula(v - h)) / (2 * h) for v in GRID]
+    np.testing.assert_allclose(derivative(act, GRID, parameter), numeric, rtol=1e-7, atol=1e-8)
+
+
+def test_leaky_relu_and_elu_derivatives_at_zero_are_pytorchs():
+    assert derivative(Activation.LEAKY_RELU, np.zeros(1), 0.2)[0] == 0.2
+    assert derivative(Activation.ELU, np.zeros(1), 0.7)[0] == 0.7
 
 
 def test_relu6_and_hardswish_derivatives_at_their_kinks_are_pytorchs():

@@ -86,3 +86,25 @@ def test_invalid_field_raises_value_error_naming_field_value_and_rule(changes, f
     with pytest.raises(ValueError, match=rf"LayerSpec\.{field}:.*{rule}") as info:
         LayerSpec(**{**BASE, **changes})
     assert repr(next(iter(changes.values()))) in str(info.value) or "larger" in str(info.value)
+
+
+@pytest.mark.parametrize("field, value, activation", [("negative_slope", 0.2, "relu"), ("elu_alpha", 0.5, "gelu"),
+                                                      ("negative_slope", 0.2, "elu"), ("elu_alpha", 0.5, "leaky_relu")])
+def test_an_activation_parameter_is_refused_beside_another_activation(field, value, activation):
+    with pytest.raises(ValueError, match=f"LayerSpec.{field}: only activation="):
+        LayerSpec(in_height=4, in_width=4, in_channels=1, out_channels=1, activation=activation, **{field: value})
+
+
+@pytest.mark.parametrize("field", ["negative_slope", "elu_alpha"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), True, "0.1"])
+def test_an_activation_parameter_is_a_finite_number(field, value):
+    activation = "leaky_relu" if field == "negative_slope" else "elu"
+    with pytest.raises(ValueError, match=f"LayerSpec.{field}: expected a finite number"):
+        LayerSpec(in_height=4, in_width=4, in_channels=1, out_channels=1, activation=activation, **{field: value})
+
+
+def test_the_activation_parameter_is_leaky_relus_slope_or_elus_alpha():
+    base = dict(in_height=4, in_width=4, in_channels=1, out_channels=1)
+    assert LayerSpec(**base, activation="leaky_relu", negative_slope=0.2).activation_parameter == 0.2
+    assert LayerSpec(**base, activation="elu", elu_alpha=0.7).activation_parameter == 0.7
+    assert LayerSpec(**base, activation="relu").activation_parameter is None

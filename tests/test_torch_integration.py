@@ -245,14 +245,16 @@ def test_swap_converts_every_run_and_computes_what_the_model_did():
     torch.testing.assert_close(swapped(x), model(x))
 
 
-@pytest.mark.parametrize("activation", [nn.SiLU, nn.ReLU6, nn.Hardswish])
-def test_swap_converts_the_newer_activations(activation):
+@pytest.mark.parametrize("activation", [nn.SiLU(), nn.ReLU6(), nn.Hardswish(), nn.LeakyReLU(0.2), nn.ELU(0.7)],
+                         ids=lambda m: repr(m))
+def test_swap_converts_the_newer_activations_and_unswap_restores_them(activation):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), activation()).double().eval()
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), activation).double().eval()
     x = nchw(4, 3, 6, 6) * 4  # past hardswish's and relu6's ends
     swapped = swap(copy.deepcopy(model))
     assert [type(m).__name__ for m in swapped.modules()].count("Conv2dNormActivation") == 1
     torch.testing.assert_close(swapped(x), model(x))
+    assert repr(unswap(swapped)[2]) == repr(activation)  # its parameter included
 
 
 def test_checkpoints_load_either_way_between_a_model_and_its_swap():

@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed (the test ex
 from conv2d.torch import Conv2dNormActivation, reference_sequential  # noqa: E402
 
 NORMS = ["none", "batch_norm", "layer_norm"]
-TORCH_ACTIVATIONS = ["identity", "relu", "tanh", "sigmoid", "gelu", "gelu_tanh", "silu", "relu6", "hardswish"]
+TORCH_ACTIVATIONS = ["identity", "relu", "tanh", "sigmoid", "gelu", "gelu_tanh", "silu", "relu6", "hardswish",
+                     "leaky_relu", "elu"]
 
 
 def module_and_sequential(norm="batch_norm", activation="relu", seed=0, **kw):

@@ -129,7 +129,8 @@ class Functions:
         self.config = launch_config
         self.lanes = K.lanes_for(spec.dtype.value, spec.out_channels) if launch_config.wide_rows else 1
         kinds = (spec.dtype.value, spec.activation, spec.normalization, self.lanes)
-        fast = K.kernel_set(*kinds, self.lanes > 1, launch_config)
+        parameter = spec.activation_parameter
+        fast = K.kernel_set(*kinds, self.lanes > 1, launch_config, parameter)
         dev_dt = self.dev_dt = device_dtype(spec.dtype)
         self.st = storage_dtype(spec.dtype)
         self._lock = threading.RLock()
@@ -139,9 +140,9 @@ class Functions:
         # collector runs (which may be inside a caller's CUDA graph capture).
         current = self.streams.current_stream
         self._k = steps.Kernels(
-            spec, cuda, fast, K.kernel_set(*kinds, False, launch_config) if self.lanes > 1 else fast,
-            simple.simple_set(spec.dtype.value, spec.activation) if kernels == "simple" else None,
-            simple.simple_set("float32", spec.activation) if kernels == "simple" else None,
+            spec, cuda, fast, K.kernel_set(*kinds, False, launch_config, parameter) if self.lanes > 1 else fast,
+            simple.simple_set(spec.dtype.value, spec.activation, parameter) if kernels == "simple" else None,
+            simple.simple_set("float32", spec.activation, parameter) if kernels == "simple" else None,
             self._dummy, Launcher(current, fast_paths), launch_config, self.lanes)
         self._allocator = OutputAllocator(cuda, own)
         self._outputs = Outputs(spec, cuda, self._allocator, current)

@@ -161,7 +161,7 @@ def forward(spec: LayerSpec, params: Mapping[str, Any], x: Any, training: bool,
     if spec.normalization is not Normalization.NONE:
         mean, inv_std, from_batch = _statistics(call, z, training, running)
     a, _ = _activation_input(call, params, z, mean, inv_std)
-    y = activations.forward(spec.activation, a).astype(st, copy=False)
+    y = activations.forward(spec.activation, a, spec.activation_parameter).astype(st, copy=False)
     return to_library(y, lib), Saved(call, x, pre, mean, inv_std, from_batch, lib)
 
 
@@ -171,7 +171,7 @@ def grad_pre_activations(params: dict, saved: Saved, d_y: np.ndarray) -> tuple[n
     ct = compute_dtype(spec.dtype)
     z = saved.pre.astype(ct, copy=False)
     a, x_hat = _activation_input(spec, params, z, saved.mean, saved.inv_std)
-    d_a = activations.derivative(spec.activation, a)
+    d_a = activations.derivative(spec.activation, a, spec.activation_parameter)
     d_a *= d_y.astype(ct, copy=False)
     if spec.normalization is Normalization.NONE:
         return d_a, {}

@@ -86,7 +86,7 @@ def conditioning_scales(spec: LayerSpec, state: dict[str, np.ndarray], x: np.nda
     if saved.batch_stats:
         x_hat = norm.normalize(z, saved.mean, inv_std, axes)
         a = norm.affine(x_hat, gamma, params["beta"])
-        g = np.abs(activations.derivative(spec.activation, a) * dy64 * gamma)
+        g = np.abs(activations.derivative(spec.activation, a, spec.activation_parameter) * dy64 * gamma)
         terms = g + g.mean(axis=axes, keepdims=True) + np.abs(x_hat) * (g * np.abs(x_hat)).mean(axis=axes,
                                                                                                keepdims=True)
         terms *= norm.expand(inv_std, axes)

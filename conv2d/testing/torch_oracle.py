@@ -32,7 +32,7 @@ class _FastTanh(torch.autograd.Function):
         return grad * (1 - f * f)
 
 
-def _activation(name: str, a: torch.Tensor) -> torch.Tensor:
+def _activation(name: str, a: torch.Tensor, parameter: float | None = None) -> torch.Tensor:
     if name == "identity":
         return a
     if name == "relu":
@@ -56,6 +56,10 @@ def _activation(name: str, a: torch.Tensor) -> torch.Tensor:
         return F.relu6(a)
     if name == "hardswish":
         return F.hardswish(a)
+    if name == "leaky_relu":
+        return F.leaky_relu(a, parameter)
+    if name == "elu":
+        return F.elu(a, parameter)
     raise ValueError(f"oracle: unknown activation {name!r}")
 
 
@@ -98,7 +102,7 @@ def run(spec: LayerSpec, state: dict[str, np.ndarray], x: np.ndarray, d_y: np.nd
             zn = z.permute(0, 2, 3, 1)
             a = F.layer_norm(zn, zn.shape[1:], eps=spec.bn_epsilon) * gamma + beta
             a = a.permute(0, 3, 1, 2)
-    y = _activation(spec.activation.value, a)
+    y = _activation(spec.activation.value, a, spec.activation_parameter)
     y.backward(t(d_y).permute(0, 3, 1, 2))
     nhwc = lambda v: v.detach().permute(0, 2, 3, 1).contiguous().numpy()  # noqa: E731
     out["y"] = nhwc(y)

@@ -102,7 +102,8 @@ class Conv2dNormActivation(nn.Module):
     `norm`: "batch_norm" (nn.BatchNorm2d), "layer_norm" (nn.GroupNorm(1, OC): one mean and
     variance per sample over C, H, W, affine per channel) or "none". `activation`: a name
     of `conv2d.Activation` ("relu", "gelu", "gelu_tanh", "tanh", "sigmoid", "silu", "relu6",
-    "hardswish", "identity", and the original library's "fast_tanh", "gelu_original"). `running_var`: "unbiased"
+    "hardswish", "leaky_relu" (with `negative_slope`), "elu" (with `alpha`), "identity", and
+    the original library's "fast_tanh", "gelu_original"). `running_var`: "unbiased"
     (PyTorch's BatchNorm2d, the default here) or "biased" (the original library's).
     `layout`: "NCHW" (the default, as above) or "NHWC": x is (N, H, W, C), as this
     library's arrays and JAX's convolutions, read in place when contiguous (else copied
@@ -140,7 +141,7 @@ class Conv2dNormActivation(nn.Module):
                  momentum: float | None = 0.1, affine: bool = True, track_running_stats: bool = True,
                  running_var: str = "unbiased", device: Any = None, dtype: Any = None, layout: str = "NCHW",
                  cuda_graphs: bool = True, backend_options: dict[str, Any] | None = None,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, negative_slope: float = 0.01, alpha: float = 1.0) -> None:
         super().__init__()
         _refuse_unimplemented(padding=padding, dilation=dilation, groups=groups, padding_mode=padding_mode,
                               affine=affine, track_running_stats=track_running_stats, momentum=momentum)
@@ -162,7 +163,8 @@ class Conv2dNormActivation(nn.Module):
                                out_channels=out_channels, kernel=kernel_size, stride=stride, padding=padding,
                                activation=activation, normalization=norm, bn_momentum=momentum, bn_epsilon=eps,
                                bias=bias, bn_running_var=running_var, dtype=_DTYPES.get(dtype, DType.FLOAT32),
-                               batch_invariant=batch_invariant)
+                               batch_invariant=batch_invariant, negative_slope=negative_slope,
+                               elu_alpha=alpha)
         s = self._spec
         self.add_module("0", _ConvParameters(in_channels, out_channels, s.kernel, bias, device, dtype))
         if s.normalization is not Normalization.NONE:
@@ -263,7 +265,8 @@ class Conv2dNormActivation(nn.Module):
         folded = folded_state(spec, state)  # raises without batch norm
         s = self._spec
         other = Conv2dNormActivation(s.in_channels, s.out_channels, s.kernel, s.stride, s.padding, bias=True,
-                                     norm="none", activation=s.activation.value, device=weight.device,
+                                     norm="none", activation=s.activation.value, negative_slope=s.negative_slope,
+                                     alpha=s.elu_alpha, device=weight.device,
                                      dtype=weight.dtype, layout=self.layout, cuda_graphs=self.cuda_graphs,
                                      backend_options=self.backend_options, batch_invariant=s.batch_invariant)
         with torch.no_grad():
@@ -412,14 +415,18 @@ def _cuda_functions(spec: LayerSpec, device: torch.device, options: dict) -> tup
     return fn, (None if fn.stream_given else CallGraphs(fn, device))
 
 
-def activation_module(name: str | Activation) -> nn.Module:
+def activation_module(name: str | Activation, parameter: float | None = None) -> nn.Module:
     """PyTorch's module for an activation that PyTorch has (for building the Sequential
-    this module replaces); ValueError for the original library's own two."""
+    this module replaces), with LeakyReLU's negative_slope or ELU's alpha (`parameter`,
+    PyTorch's default when None); ValueError for the original library's own two."""
     act = Activation(name)
+    given = {} if parameter is None else {"negative_slope": parameter} if act is Activation.LEAKY_RELU else {
+        "alpha": parameter}
     table = {Activation.IDENTITY: nn.Identity, Activation.RELU: nn.ReLU, Activation.TANH: nn.Tanh,
              Activation.SIGMOID: nn.Sigmoid, Activation.GELU: nn.GELU,
              Activation.GELU_TANH: lambda: nn.GELU(approximate="tanh"), Activation.SILU: nn.SiLU,
-             Activation.RELU6: nn.ReLU6, Activation.HARDSWISH: nn.Hardswish}
+             Activation.RELU6: nn.ReLU6, Activation.HARDSWISH: nn.Hardswish,
+             Activation.LEAKY_RELU: lambda: nn.LeakyReLU(**given), Activation.ELU: lambda: nn.ELU(**given)}
     if act not in table:
         raise ValueError(f"activation: PyTorch has no {act.value!r} (the original library's own)")
     return table[act]()
@@ -438,7 +445,7 @@ def reference_sequential(module: Conv2dNormActivation) -> nn.Sequential:
         layers.append(nn.BatchNorm2d(s.out_channels, eps=s.bn_epsilon, momentum=s.bn_momentum, **where)
                       if s.normalization is Normalization.BATCH_NORM else nn.GroupNorm(1, s.out_channels,
                                                                                         eps=s.bn_epsilon, **where))
-    layers.append(activation_module(s.activation))
+    layers.append(activation_module(s.activation, s.activation_parameter))
     seq = nn.Sequential(*layers)
     seq.load_state_dict(module.state_dict())
     return seq

@@ -24,7 +24,7 @@ from torch import nn
 from conv2d.torch.module import Conv2dNormActivation
 
 _ACTIVATIONS = {nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.Identity: "identity", nn.SiLU: "silu",
-                nn.ReLU6: "relu6", nn.Hardswish: "hardswish"}
+                nn.ReLU6: "relu6", nn.Hardswish: "hardswish", nn.LeakyReLU: "leaky_relu", nn.ELU: "elu"}
 _HANDLES = "_conv2d_swap_handles"  # on each container that holds swapped modules: its hooks
 
 
@@ -118,6 +118,10 @@ def swap(model: nn.Module) -> nn.Module:
                 options = dict(eps=norm.eps, momentum=norm.momentum)
             elif kind == "layer_norm":
                 options = dict(eps=norm.eps)
+            if isinstance(act, nn.LeakyReLU):
+                options["negative_slope"] = act.negative_slope
+            elif isinstance(act, nn.ELU):
+                options["alpha"] = act.alpha
             ours = Conv2dNormActivation(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
                                         conv.padding, bias=conv.bias is not None, norm=kind,
                                         activation=_activation(act) if act is not None else "identity",
@@ -137,8 +141,7 @@ def swap(model: nn.Module) -> nn.Module:
                 renames[f"{conv_name}.1."] = f"{norm_name}."
             if act_name:
                 seq._modules[act_name] = nn.Identity()
-            ours._conv2d_swapped = (conv_name, norm_name, act_name, type(act) if act is not None else None,
-                                    getattr(act, "approximate", None))
+            ours._conv2d_swapped = (conv_name, norm_name, act_name)
         if renames:
             _hook(seq, renames)
     return model
@@ -158,13 +161,13 @@ def unswap(model: nn.Module) -> nn.Module:
             record = getattr(module, "_conv2d_swapped", None)
             if not isinstance(module, Conv2dNormActivation) or record is None:
                 continue
-            conv_name, norm_name, act_name, act_type, approximate = record
+            conv_name, norm_name, act_name = record
             plain = reference_sequential(module)
             seq._modules[conv_name] = plain[0]
             if norm_name:
                 seq._modules[norm_name] = plain[1]
             if act_name:
-                seq._modules[act_name] = (nn.GELU(approximate=approximate) if act_type is nn.GELU else act_type())
+                seq._modules[act_name] = plain[-1]  # the activation PyTorch has, with its parameter
             for m in plain:
                 m.train(module.training)
     return model

@@ -41,8 +41,11 @@ def _sigmoid(x):
     return ONE / (ONE + math.exp(-x))
 
 
-def activation_functions(act: Activation):
-    """(f, f') device functions; f' is taken at the activation's input."""
+def activation_functions(act: Activation, parameter: float | None = None):
+    """(f, f') device functions; f' is taken at the activation's input. `parameter`:
+    LeakyReLU's negative_slope or ELU's alpha (PyTorch's default when None), a float32
+    constant of the functions."""
+    P = f32(act_table.DEFAULT_PARAMETER.get(act, 0.0) if parameter is None else parameter)
     if act is Activation.IDENTITY:
         def f(x): return x
         def d(x): return ONE
@@ -90,6 +93,12 @@ def activation_functions(act: Activation):
             if x < SHIFT3:
                 return x / SHIFT3 + HALF
             return ONE
+    elif act is Activation.LEAKY_RELU:
+        def f(x): return x if x > ZERO else x * P  # NaN: NaN * P, NaN as in NumPy
+        def d(x): return ONE if x > ZERO else P
+    elif act is Activation.ELU:
+        def f(x): return x if x > ZERO else P * math.expm1(x)
+        def d(x): return ONE if x > ZERO else P * math.exp(x)
     else:
         raise ValueError(f"activation: unknown {act!r}")
     return cuda.jit(device=True, inline=True)(f), cuda.jit(device=True, inline=True)(d)

@@ -71,25 +71,27 @@ class KernelSet:
 
 @functools.lru_cache(maxsize=None)
 def kernel_set(storage: str, activation: Activation, normalization: Normalization, lanes: int = 1,
-               wide: bool = False, config: LaunchConfig = DEFAULT_CONFIG) -> KernelSet:
+               wide: bool = False, config: LaunchConfig = DEFAULT_CONFIG, parameter: float | None = None) -> KernelSet:
     """The kernels of one layer kind. Row-engine threads keep `lanes` consecutive channels
     (1, or config.lanes_for); with `wide` they read them with one 8-byte load (the arrays
     they read must then be 8-byte aligned), without it one load a value: the same sums in
-    the same order, so the two give bitwise identical results."""
-    rows = row_kernels(storage, activation, normalization, lanes, wide, config)
-    segments = _segment_kernels(storage, activation, normalization)
+    the same order, so the two give bitwise identical results. `parameter`: the
+    activation's (LayerSpec.activation_parameter)."""
+    rows = row_kernels(storage, activation, normalization, lanes, wide, config, parameter)
+    segments = _segment_kernels(storage, activation, normalization, parameter)
     return KernelSet(rows[STATISTICS], rows[NORMALISE_AND_ACTIVATE], rows[NORM_GRADIENTS],
                      rows[GRAD_PRE_ACTIVATIONS], segments["partials"][STATISTICS],
                      segments["partials"][NORM_GRADIENTS], segments["partials_final"], segments["statistics"],
-                     *_elementwise_kernels(storage, activation, normalization))
+                     *_elementwise_kernels(storage, activation, normalization, parameter))
 
 
 @functools.lru_cache(maxsize=None)
-def _segment_kernels(storage: str, activation: Activation, normalization: Normalization) -> dict:
+def _segment_kernels(storage: str, activation: Activation, normalization: Normalization,
+                     parameter: float | None) -> dict:
     """Layer norm's per-sample reductions: partial sums over fixed slices of a sample,
     then one warp a sample adds them (the statistics, or the gradient terms' totals)."""
     load = storage_io(storage).load
-    per_value = value_math(storage, activation, normalization)
+    per_value = value_math(storage, activation, normalization, parameter)
     stored_activation_input, act_d = per_value.stored_activation_input, per_value.act_d
     fold_rows = fold_rows_function()
 
@@ -178,11 +180,12 @@ def _segment_kernels(storage: str, activation: Activation, normalization: Normal
 
 
 @functools.lru_cache(maxsize=None)
-def _elementwise_kernels(storage: str, activation: Activation, normalization: Normalization) -> tuple:
+def _elementwise_kernels(storage: str, activation: Activation, normalization: Normalization,
+                         parameter: float | None) -> tuple:
     """(running_statistics, accumulate_stored, direct_evaluate): one thread a value."""
     io = storage_io(storage)
     load, store, encode = io.load, io.store, io.encode
-    per_value = value_math(storage, activation, normalization)
+    per_value = value_math(storage, activation, normalization, parameter)
     activation_input, act_f = per_value.activation_input, per_value.act_f
     norm = NORM_MODE[normalization]
 

@@ -105,12 +105,13 @@ def lane_io(storage: str, lanes: int, wide: bool) -> SimpleNamespace:
 
 
 @functools.lru_cache(maxsize=None)
-def value_math(storage: str, activation: Activation, normalization: Normalization) -> SimpleNamespace:
+def value_math(storage: str, activation: Activation, normalization: Normalization,
+               parameter: float | None = None) -> SimpleNamespace:
     """The per-value arithmetic of the jobs (device functions, shared with the segment
     kernels of layer norm): the norm group of a value, the activation's input and the
     normalised value, a channel's parameters, and what each job makes of one value."""
     load = storage_io(storage).load
-    act_f, act_d = activation_functions(activation)
+    act_f, act_d = activation_functions(activation, parameter)
     norm = NORM_MODE[normalization]
 
     @cuda.jit(device=True, inline=True)
@@ -207,7 +208,7 @@ def fold_rows_function() -> object:
 
 
 def _row_pass(storage: str, activation: Activation, normalization: Normalization, lanes: int, wide: bool,
-              config: LaunchConfig) -> object:
+              config: LaunchConfig, parameter: float | None) -> object:
     """row_pass: phase one of a row kernel for one thread (see its comment)."""
     ROW_UNROLL = config.row_unroll
     ROW_BUFFER = ROW_UNROLL * MAX_LANES
@@ -215,7 +216,7 @@ def _row_pass(storage: str, activation: Activation, normalization: Normalization
     load = storage_io(storage).load
     io = lane_io(storage, lanes, wide)
     fetch, value, put, flush, BUFFER_TYPE = io.fetch, io.value, io.put, io.flush, io.buffer_type
-    per_value = value_math(storage, activation, normalization)
+    per_value = value_math(storage, activation, normalization, parameter)
     norm_group, channel_parameters, value_terms = (per_value.norm_group, per_value.channel_parameters,
                                                    per_value.value_terms)
     norm = NORM_MODE[normalization]
@@ -421,12 +422,12 @@ def _phase_two(storage: str, config: LaunchConfig) -> SimpleNamespace:
 
 @functools.lru_cache(maxsize=None)
 def row_kernels(storage: str, activation: Activation, normalization: Normalization, lanes: int, wide: bool,
-                config: LaunchConfig) -> dict[int, object]:
+                config: LaunchConfig, parameter: float | None = None) -> dict[int, object]:
     """job -> the row kernel of one layer kind; see the module docstring. `config`'s
     settings are compile-time constants of the kernels (bound to these names before the
     kernels are defined)."""
     LANES = lanes
-    row_pass = _row_pass(storage, activation, normalization, lanes, wide, config)
+    row_pass = _row_pass(storage, activation, normalization, lanes, wide, config, parameter)
     ends = _phase_two(storage, config)
     finish, phase_two = ends.finish, ends.phase_two
     fold_rows = fold_rows_function()

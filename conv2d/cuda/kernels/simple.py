@@ -77,12 +77,12 @@ def _members(g, C, S, layer, total):
 
 
 @functools.lru_cache(maxsize=None)
-def simple_set(storage: str, activation: Activation) -> SimpleSet:
+def simple_set(storage: str, activation: Activation, parameter: float | None = None) -> SimpleSet:
     """The simple kernels for values stored as `storage` ("float32", "float16", "bfloat16")
-    and `activation`."""
+    and `activation` (with its `parameter`, LayerSpec.activation_parameter)."""
     io = storage_io(storage)
     load, store = io.load, io.store
-    f, d = activation_functions(Activation(activation))
+    f, d = activation_functions(Activation(activation), parameter)
 
     @cuda.jit
     def to_compute(src, out):
