@@ -73,5 +73,6 @@ def input_spec(name: str, a: Any, spec: "LayerSpec") -> "LayerSpec":
     try:
         return spec.at(int(shape[0]), int(shape[1]), int(shape[2]))
     except ValueError as e:
-        raise ValueError(f"{name}: the kernel {spec.kernel} with padding {spec.padding} does not fit an input of "
-                         f"height {shape[1]} and width {shape[2]}, got {describe(a)}") from e
+        spread = f" and dilation {spec.dilation}" if spec.dilation != (1, 1) else ""
+        raise ValueError(f"{name}: the kernel {spec.kernel} with padding {spec.padding}{spread} does not fit an "
+                         f"input of height {shape[1]} and width {shape[2]}, got {describe(a)}") from e

@@ -93,6 +93,10 @@ def attributes(spec: LayerSpec) -> dict[str, str]:
     if spec.activation not in _ACTIVATIONS:
         raise ValueError(f"activation: rl_tools has no {spec.activation.value!r}; it knows "
                          f"{sorted(a.value for a in _ACTIVATIONS)}")
+    for name, value, plain in (("groups", spec.groups, 1), ("dilation", spec.dilation, (1, 1))):
+        if value != plain:
+            raise ValueError(f"{name}: rl_tools' conv2d layer has no {name} (got {name}={value!r}); it would read "
+                             f"the weights as a plain convolution's")
     return {"type": "conv2d", "output_channels": str(spec.out_channels), "input_channels": str(spec.in_channels),
             "kernel_height": str(spec.kernel[0]), "kernel_width": str(spec.kernel[1]),
             "stride_h": str(spec.stride[0]), "stride_w": str(spec.stride[1]), "padding_h": str(spec.padding[0]),

@@ -79,6 +79,10 @@ class LayerSpec:
     Input `(N, H, W, C)` = (batch_size, in_height, in_width, in_channels); output
     `(N, OH, OW, OC)`; weights `(OC, KH, KW, IC)`. `kernel`, `stride` and `padding` take an
     int or an (H, W) pair and are stored as pairs; padding is symmetric zero padding.
+    `dilation` (an int or pair, as PyTorch's) spaces the kernel's taps; `groups` splits the
+    channels into that many independent convolutions (PyTorch's; `groups == in_channels`
+    is depthwise), the weights then `(OC, KH, KW, IC / groups)`. The CUDA backend takes
+    neither yet.
 
     `batch_size` is the batch a layer plans for (the CUDA backend builds its cuDNN plans
     for it at construction, and `capture` records at it), or None for none: every call
@@ -104,6 +108,8 @@ class LayerSpec:
     kernel: IntPair = 3
     stride: IntPair = 1
     padding: IntPair = 0
+    dilation: IntPair = 1
+    groups: int = 1
     activation: Activation | str = Activation.IDENTITY
     normalization: Normalization | str = Normalization.NONE
     bn_momentum: float = 0.1
@@ -126,7 +132,9 @@ class LayerSpec:
         kernel = _pair("kernel", self.kernel)
         stride = _pair("stride", self.stride)
         padding = _pair("padding", self.padding)
-        for name, pair, least in (("kernel", kernel, 1), ("stride", stride, 1), ("padding", padding, 0)):
+        dilation = _pair("dilation", self.dilation)
+        for name, pair, least in (("kernel", kernel, 1), ("stride", stride, 1), ("padding", padding, 0),
+                                  ("dilation", dilation, 1)):
             if min(pair) < least:
                 raise ValueError(f"LayerSpec.{name}: expected every entry >= {least}, got {getattr(self, name)!r}")
             if max(pair) > MAX_DIM:
@@ -134,13 +142,20 @@ class LayerSpec:
         for name in ("batch_size", "in_height", "in_width", "in_channels", "out_channels"):
             if (getattr(self, name) or 0) > MAX_DIM:
                 raise ValueError(f"LayerSpec.{name}: expected an int <= 2**31 - 1, got {getattr(self, name)!r}")
-        for axis, size, k, p in (("height", self.in_height, kernel[0], padding[0]),
-                                 ("width", self.in_width, kernel[1], padding[1])):
-            if k > size + 2 * p:
+        g = self.groups
+        if not _is_int(g) or g < 1 or self.in_channels % g or self.out_channels % g:
+            raise ValueError(f"LayerSpec.groups: expected an int >= 1 that divides in_channels "
+                             f"({self.in_channels}) and out_channels ({self.out_channels}), got {g!r}")
+        for axis, size, k, p, d in (("height", self.in_height, kernel[0], padding[0], dilation[0]),
+                                    ("width", self.in_width, kernel[1], padding[1], dilation[1])):
+            extent = (k - 1) * d + 1
+            if extent > size + 2 * p:
+                spread = f" (dilated by {d}: {extent})" if d > 1 else ""
                 raise ValueError(
-                    f"LayerSpec.kernel: the kernel's {axis} {k} is larger than the padded input's "
+                    f"LayerSpec.kernel: the kernel's {axis} {k}{spread} is larger than the padded input's "
                     f"{axis} {size} + 2*{p} = {size + 2 * p}")
         set_(self, "kernel", kernel)
+        set_(self, "dilation", dilation)
         set_(self, "stride", stride)
         set_(self, "padding", padding)
         set_(self, "activation", _enum_value(Activation, "activation", self.activation))
@@ -182,7 +197,7 @@ class LayerSpec:
         kh, kw = self.kernel
         ph, pw = self.padding
         sh, sw = self.stride
-        arrays = {"weights (out_channels*kernel*in_channels)": (self.out_channels * kh * kw * self.in_channels,
+        arrays = {"weights (out_channels*kernel*in_channels/groups)": (math.prod(self.weight_shape),
                                                                  "out_channels"),
                   "the padded input of one sample": ((self.in_height + 2 * ph) * (self.in_width + 2 * pw)
                                                      * self.in_channels, "padding"),
@@ -211,8 +226,9 @@ class LayerSpec:
         """(OH, OW) for an input of height and width `in_height`, `in_width`: arithmetic
         only (no validation, no hashing), so that it also computes with torch's symbolic
         sizes under torch.compile."""
-        return ((in_height + 2 * self.padding[0] - self.kernel[0]) // self.stride[0] + 1,
-                (in_width + 2 * self.padding[1] - self.kernel[1]) // self.stride[1] + 1)
+        (kh, kw), (dh, dw) = self.kernel, self.dilation
+        return ((in_height + 2 * self.padding[0] - (kh - 1) * dh - 1) // self.stride[0] + 1,
+                (in_width + 2 * self.padding[1] - (kw - 1) * dw - 1) // self.stride[1] + 1)
 
     def _planned_batch(self) -> int:
         if self.batch_size is None:
@@ -272,12 +288,12 @@ class LayerSpec:
 
     @property
     def weight_shape(self) -> tuple[int, int, int, int]:
-        """`(OC, KH, KW, IC)`, cuDNN's NHWC filter layout."""
-        return (self.out_channels, self.kernel[0], self.kernel[1], self.in_channels)
+        """`(OC, KH, KW, IC / groups)`, cuDNN's NHWC filter layout."""
+        return (self.out_channels, self.kernel[0], self.kernel[1], self.in_channels // self.groups)
 
     @property
     def fan_in(self) -> int:
-        return self.kernel[0] * self.kernel[1] * self.in_channels
+        return self.kernel[0] * self.kernel[1] * (self.in_channels // self.groups)
 
     # Serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -49,6 +49,10 @@ GOLDEN = {
     "hardswish_plain_k5": (dict(batch_size=2, in_height=8, in_width=8, in_channels=2, out_channels=4, kernel=5, padding=2, activation="hardswish"), 4.0, 19),
     "leaky_relu_bn_slope": (dict(batch_size=3, in_height=6, in_width=7, in_channels=3, out_channels=4, kernel=3, padding=1, activation="leaky_relu", negative_slope=0.2, normalization="batch_norm"), 1.0, 20),
     "elu_ln_alpha": (dict(batch_size=2, in_height=7, in_width=7, in_channels=4, out_channels=5, kernel=3, stride=2, padding=1, activation="elu", elu_alpha=0.7, normalization="layer_norm"), 1.0, 21),
+    "relu_groups2_bn": (dict(batch_size=3, in_height=7, in_width=6, in_channels=4, out_channels=6, kernel=3, padding=1, groups=2, activation="relu", normalization="batch_norm"), 1.0, 22),
+    "gelu_depthwise_x2": (dict(batch_size=2, in_height=8, in_width=7, in_channels=3, out_channels=6, kernel=3, stride=2, padding=1, groups=3, activation="gelu"), 1.0, 23),
+    "tanh_dilation2_ln": (dict(batch_size=2, in_height=9, in_width=10, in_channels=3, out_channels=4, kernel=3, padding=2, dilation=2, activation="tanh", normalization="layer_norm"), 1.0, 24),
+    "silu_dilation_rect_groups": (dict(batch_size=2, in_height=11, in_width=9, in_channels=4, out_channels=4, kernel=(3, 2), stride=(1, 2), padding=(2, 1), dilation=(2, 3), groups=2, activation="silu", normalization="batch_norm"), 1.0, 25),
 }
 
 

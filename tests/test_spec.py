@@ -57,8 +57,8 @@ def test_to_dict_round_trips():
 
 
 def test_from_dict_rejects_unknown_fields():
-    with pytest.raises(ValueError, match="unknown fields.*dilation"):
-        LayerSpec.from_dict({**LayerSpec(**BASE).to_dict(), "dilation": 2})
+    with pytest.raises(ValueError, match="unknown fields.*padding_mode"):
+        LayerSpec.from_dict({**LayerSpec(**BASE).to_dict(), "padding_mode": "reflect"})
 
 
 @pytest.mark.parametrize("changes, field, rule", [
@@ -108,3 +108,22 @@ def test_the_activation_parameter_is_leaky_relus_slope_or_elus_alpha():
     assert LayerSpec(**base, activation="leaky_relu", negative_slope=0.2).activation_parameter == 0.2
     assert LayerSpec(**base, activation="elu", elu_alpha=0.7).activation_parameter == 0.7
     assert LayerSpec(**base, activation="relu").activation_parameter is None
+
+
+@pytest.mark.parametrize("groups", [0, 2, 3, True])
+def test_groups_must_divide_both_channel_counts(groups):
+    # BASE-like: 4 input channels, 6 output: 2 divides both, 3 only the output's
+    with pytest.raises(ValueError, match="LayerSpec.groups: expected an int >= 1 that divides"):
+        LayerSpec(in_height=6, in_width=6, in_channels=4 if groups != 2 else 3, out_channels=6, groups=groups)
+
+
+def test_dilation_spreads_the_kernel_in_the_output_size_and_the_fit():
+    spec = LayerSpec(in_height=9, in_width=9, in_channels=1, out_channels=1, kernel=3, dilation=(2, 4))
+    assert (spec.out_height, spec.out_width) == (5, 1)  # extents 5 and 9
+    with pytest.raises(ValueError, match=r"the kernel's width 3 \(dilated by 5: 11\) is larger"):
+        LayerSpec(in_height=9, in_width=9, in_channels=1, out_channels=1, kernel=3, dilation=(1, 5))
+
+
+def test_grouped_weights_have_in_channels_over_groups():
+    spec = LayerSpec(in_height=6, in_width=6, in_channels=4, out_channels=8, kernel=3, groups=4)
+    assert spec.weight_shape == (8, 3, 3, 1) and spec.fan_in == 9

@@ -355,3 +355,27 @@ def test_distributed_data_parallel_over_gloo_equals_one_process_on_the_whole_bat
     _, _, want = run(module, channels_last((4, 3, 5, 5)), channels_last((4, 5, 5, 5), seed=2))
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
+@pytest.mark.parametrize("channels, options", [
+    ((4, 6), dict(groups=2)), ((4, 8), dict(groups=4)),  # grouped, and depthwise with a channel multiplier 2
+    ((3, 5), dict(dilation=2)), ((4, 6), dict(dilation=(1, 2), groups=2, stride=2))],
+    ids=["groups2", "depthwise", "dilation2", "dilation_groups_stride"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_groups_and_dilation_match_pytorchs_conv(channels, options, norm):
+    torch.manual_seed(0)
+    ours = Conv2dNormActivation(*channels, 3, padding=1, norm=norm, activation="gelu", dtype=torch.float64,
+                                **options)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    theirs = reference_sequential(ours)
+    assert theirs[0].groups == ours._spec.groups and ours.conv.weight.shape == theirs[0].weight.shape
+    x = channels_last((3, channels[0], 9, 8))
+    y_shape = theirs(x).shape
+    d_y = channels_last(tuple(y_shape), seed=2)
+    got, want = run(ours, x, d_y), run(theirs, x, d_y)
+    for a, b in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for k in want[2]:
+        torch.testing.assert_close(got[2][k], want[2][k], rtol=1e-10, atol=1e-12, msg=k)

@@ -56,6 +56,9 @@ def _check_options(spec: LayerSpec, allow_tf32: bool, autotune: bool, fast_paths
     if spec.dtype is DType.FLOAT64:
         raise ValueError("dtype: float64 is the reference backend's oracle type; the CUDA backend takes "
                          "float32, float16 or bfloat16")
+    if spec.groups != 1 or spec.dilation != (1, 1):
+        raise NotImplementedError(f"groups={spec.groups}, dilation={spec.dilation}: the CUDA backend takes groups=1 "
+                                  f"and dilation=1 for now; the reference backend takes both")
     if spec.batch_invariant:
         raise NotImplementedError("batch_invariant: the CUDA backend does not give batch-invariant results yet "
                                   "(cuDNN's plans and the kernels' partitions are chosen per batch size); the "

@@ -1,7 +1,9 @@
 """Convolution forward, backward-data, backward-filter and the bias gradient, in NumPy.
 
 All arrays NHWC and C-contiguous, in one float dtype (the caller's compute dtype):
-`x` (N, H, W, C), weights `w` (OC, KH, KW, C), `d_z` (N, OH, OW, OC). The forward and
+`x` (N, H, W, C), weights `w` (OC, KH, KW, C / groups), `d_z` (N, OH, OW, OC). `dilation`
+spaces the kernel's taps; with `groups`, channel group g of x (C / groups channels) makes
+output channels group g (OC / groups) with its own weights, one convolution a group. The forward and
 backward-filter convolutions are a strided window view of the padded input and one
 matrix product per block of samples; backward-data is one product per kernel tap and
 block. BLAS does the work.
@@ -21,16 +23,27 @@ def pad(x: np.ndarray, padding: tuple[int, int]) -> np.ndarray:
     return np.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)))
 
 
-def windows(xp: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int]) -> np.ndarray:
+def windows(xp: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int],
+            dilation: tuple[int, int] = (1, 1)) -> np.ndarray:
     """Read-only view (N, OH, OW, KH, KW, C) of the padded input `xp` (N, Hp, Wp, C)."""
     n, hp, wp, c = xp.shape
     kh, kw = kernel
     sh, sw = stride
-    oh = (hp - kh) // sh + 1
-    ow = (wp - kw) // sw + 1
+    dh, dw = dilation
+    oh = (hp - (kh - 1) * dh - 1) // sh + 1
+    ow = (wp - (kw - 1) * dw - 1) // sw + 1
     s_n, s_h, s_w, s_c = xp.strides
     return as_strided(xp, shape=(n, oh, ow, kh, kw, c),
-                      strides=(s_n, sh * s_h, sw * s_w, s_h, s_w, s_c), writeable=False)
+                      strides=(s_n, sh * s_h, sw * s_w, dh * s_h, dw * s_w, s_c), writeable=False)
+
+
+def _by_group(groups: int, run, a: np.ndarray, b: np.ndarray, a_axis: int, b_axis: int) -> np.ndarray:
+    """run(a's channel group g, b's group g) for each of `groups` groups (a split along
+    a_axis, b along b_axis, each part contiguous), joined along the last axis."""
+    if groups == 1:
+        return run(a, b)
+    parts = zip(np.split(a, groups, axis=a_axis), np.split(b, groups, axis=b_axis))
+    return np.concatenate([run(np.ascontiguousarray(p), np.ascontiguousarray(q)) for p, q in parts], axis=-1)
 
 
 # Samples per im2col block: the copied windows of one block stay near this many bytes, so
@@ -45,14 +58,18 @@ def _block_samples(bytes_per_sample: int) -> int:
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
-                 padding: tuple[int, int], per_sample: bool = False) -> np.ndarray:
+                 padding: tuple[int, int], per_sample: bool = False, dilation: tuple[int, int] = (1, 1),
+                 groups: int = 1) -> np.ndarray:
     """y[n, oh, ow, oc] = sum_{kh, kw, c} xp[n, oh*SH + kh, ow*SW + kw, c] * w[oc, kh, kw, c].
 
     `per_sample`: one matrix product a sample, of the same shape whatever N: BLAS picks its
     kernel (and so its summation order) by the product's shape, so blocks of samples give
     a sample other bits at another batch size; one sample at a time gives it the same."""
+    if groups > 1:
+        return _by_group(groups, lambda xg, wg: conv_forward(xg, wg, stride, padding, per_sample, dilation), x, w,
+                         3, 0)
     oc, kh, kw, c = w.shape
-    cols = windows(pad(x, padding), (kh, kw), stride)
+    cols = windows(pad(x, padding), (kh, kw), stride, dilation)
     n, oh, ow = cols.shape[:3]
     w_t = w.reshape(oc, kh * kw * c).T
     y = np.empty((n, oh, ow, oc), dtype=np.result_type(x, w))
@@ -65,12 +82,19 @@ def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
 
 
 def conv_backward_filter(x: np.ndarray, d_z: np.ndarray, kernel: tuple[int, int],
-                         stride: tuple[int, int], padding: tuple[int, int]) -> np.ndarray:
-    """d_w[oc, kh, kw, c] = sum_{n, oh, ow} d_z[n, oh, ow, oc] * xp[n, oh*SH + kh, ow*SW + kw, c]."""
+                         stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int] = (1, 1),
+                         groups: int = 1) -> np.ndarray:
+    """d_w[oc, kh, kw, c] = sum_{n, oh, ow} d_z[n, oh, ow, oc] * xp[n, oh*SH + kh, ow*SW + kw, c]
+    (taps kh*DH, kw*DW with dilation; within each channel group)."""
+    if groups > 1:
+        # Each group's (OC / groups, KH, KW, C / groups) joined along OC: d_w's first axis.
+        run = lambda xg, dg: np.moveaxis(conv_backward_filter(xg, dg, kernel, stride, padding, dilation),  # noqa: E731
+                                         0, -1)
+        return np.ascontiguousarray(np.moveaxis(_by_group(groups, run, x, d_z, 3, 3), -1, 0))
     n, oh, ow, oc = d_z.shape
     kh, kw = kernel
     c = x.shape[3]
-    cols = windows(pad(x, padding), kernel, stride)
+    cols = windows(pad(x, padding), kernel, stride, dilation)
     d_w = np.zeros((oc, kh * kw * c), dtype=np.result_type(x, d_z))
     step = _block_samples(oh * ow * kh * kw * c * x.itemsize)
     for i in range(0, n, step):
@@ -79,7 +103,8 @@ def conv_backward_filter(x: np.ndarray, d_z: np.ndarray, kernel: tuple[int, int]
 
 
 def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int],
-                       stride: tuple[int, int], padding: tuple[int, int], per_sample: bool = False) -> np.ndarray:
+                       stride: tuple[int, int], padding: tuple[int, int], per_sample: bool = False,
+                       dilation: tuple[int, int] = (1, 1), groups: int = 1) -> np.ndarray:
     """d_x (N, H, W, C): the transpose of `conv_forward` applied to `d_z`.
 
     For each of the KH*KW kernel taps, one matrix product d_z @ w[:, kh, kw, :] gives that
@@ -88,10 +113,14 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
     was measured 2-7x slower. Blocks of samples keep the adds in cache; `per_sample`:
     blocks of one sample, as in `conv_forward`.
     """
+    if groups > 1:
+        return _by_group(groups, lambda wg, dg: conv_backward_data(wg, dg, input_hw, stride, padding, per_sample,
+                                                                   dilation), w, d_z, 0, 3)
     n, oh, ow, oc = d_z.shape
     _, kh, kw, c = w.shape
     sh, sw = stride
     ph, pw = padding
+    dh, dw = dilation
     h, w_in = input_hw
     hp, wp = h + 2 * ph, w_in + 2 * pw
     d_xp = np.zeros((n, hp, wp, c), dtype=np.result_type(w, d_z))
@@ -102,7 +131,8 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
         for i in range(kh):
             for j in range(kw):
                 tap = (rows @ w[:, i, j, :]).reshape(-1, oh, ow, c)
-                out[:, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw, :] += tap
+                top, left = i * dh, j * dw
+                out[:, top:top + sh * (oh - 1) + 1:sh, left:left + sw * (ow - 1) + 1:sw, :] += tap
     return np.ascontiguousarray(d_xp[:, ph:ph + h, pw:pw + w_in, :])
 
 

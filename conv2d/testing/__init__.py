@@ -13,12 +13,12 @@ def reduction_lengths(spec: LayerSpec) -> dict[str, int]:
     kh, kw = spec.kernel
     pixels = spec.batch_size * spec.out_height * spec.out_width
     norm = pixels if spec.normalization is Normalization.BATCH_NORM else spec.out_height * spec.out_width * spec.out_channels
-    forward = kh * kw * spec.in_channels
+    forward = spec.fan_in  # kh * kw * in_channels / groups
     if spec.normalization.value != "none":
         forward = max(forward, norm)
-    data = max(forward, kh * kw * spec.out_channels)
+    data = max(forward, kh * kw * spec.out_channels // spec.groups)
     filt = max(forward, pixels)
-    return {"y": forward, "pre_activations": kh * kw * spec.in_channels, "d_x": data,
+    return {"y": forward, "pre_activations": spec.fan_in, "d_x": data,
             "weights": filt, "bias": filt, "gamma": filt, "beta": filt,
             "running_mean": norm, "running_var": norm}
 
@@ -41,7 +41,8 @@ def cancellation_scales(spec: LayerSpec, training: bool, x: np.ndarray,
     d_abs = np.abs(np.asarray(d_pre, dtype=np.float64))
     x_abs = np.abs(np.asarray(x).astype(np.float64))
     return {"bias": float(d_abs.sum(axis=(0, 1, 2)).max()),
-            "weights": float(conv_backward_filter(x_abs, d_abs, spec.kernel, spec.stride, spec.padding).max())}
+            "weights": float(conv_backward_filter(x_abs, d_abs, spec.kernel, spec.stride, spec.padding, spec.dilation,
+                                                  spec.groups).max())}
 
 
 def conditioning_scales(spec: LayerSpec, state: dict[str, np.ndarray], x: np.ndarray, d_y: np.ndarray,
@@ -92,7 +93,8 @@ def conditioning_scales(spec: LayerSpec, state: dict[str, np.ndarray], x: np.nda
         terms *= norm.expand(inv_std, axes)
         w = np.abs(params["weights"])
         c = saved.spec
-        out["d_x"] = float(conv_backward_data(w, terms, (c.in_height, c.in_width), c.stride, c.padding).max())
+        out["d_x"] = float(conv_backward_data(w, terms, (c.in_height, c.in_width), c.stride, c.padding,
+                                              dilation=c.dilation, groups=c.groups).max())
     return out
 
 

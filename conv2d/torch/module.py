@@ -123,9 +123,11 @@ class Conv2dNormActivation(nn.Module):
     refuses it with NotImplementedError at the first call).
 
     `nn.Conv2d`'s and `nn.BatchNorm2d`'s other arguments are taken by name and refused
-    unless they have their default (NotImplementedError naming the option): `dilation`,
-    `groups`, `padding_mode`, padding "same"/"valid", `affine`, `track_running_stats`,
-    `momentum=None`. Any other keyword is a TypeError, as in PyTorch.
+    unless they have their default (NotImplementedError naming the option): `padding_mode`,
+    padding "same"/"valid", `affine`, `track_running_stats`, `momentum=None`. `dilation`
+    and `groups` (depthwise included) run on CPU tensors; the CUDA backend refuses them
+    (NotImplementedError at the first call) for now. Any other keyword is a TypeError, as in
+    PyTorch.
 
     Works in eager mode, under torch.compile (any batch size, `dynamic` or not,
     mode="reduce-overhead" included) and torch.export (the exported program runs wherever conv2d is
@@ -143,7 +145,7 @@ class Conv2dNormActivation(nn.Module):
                  cuda_graphs: bool = True, backend_options: dict[str, Any] | None = None,
                  batch_invariant: bool = False, negative_slope: float = 0.01, alpha: float = 1.0) -> None:
         super().__init__()
-        _refuse_unimplemented(padding=padding, dilation=dilation, groups=groups, padding_mode=padding_mode,
+        _refuse_unimplemented(padding=padding, padding_mode=padding_mode,
                               affine=affine, track_running_stats=track_running_stats, momentum=momentum)
         backend_options = check_options("cuda", backend_options)
         if layout not in ("NCHW", "NHWC"):
@@ -161,12 +163,13 @@ class Conv2dNormActivation(nn.Module):
         # it computes (a float64 module takes eps=1e-300, as nn.BatchNorm2d does).
         self._spec = LayerSpec(batch_size=None, in_height=kh, in_width=kw, in_channels=in_channels,
                                out_channels=out_channels, kernel=kernel_size, stride=stride, padding=padding,
+                               dilation=dilation, groups=groups,
                                activation=activation, normalization=norm, bn_momentum=momentum, bn_epsilon=eps,
                                bias=bias, bn_running_var=running_var, dtype=_DTYPES.get(dtype, DType.FLOAT32),
                                batch_invariant=batch_invariant, negative_slope=negative_slope,
                                elu_alpha=alpha)
         s = self._spec
-        self.add_module("0", _ConvParameters(in_channels, out_channels, s.kernel, bias, device, dtype))
+        self.add_module("0", _ConvParameters(in_channels // s.groups, out_channels, s.kernel, bias, device, dtype))
         if s.normalization is not Normalization.NONE:
             self.add_module("1", _BatchNormParameters(out_channels, eps, momentum, device, dtype)
                             if s.normalization is Normalization.BATCH_NORM else
@@ -200,7 +203,8 @@ class Conv2dNormActivation(nn.Module):
     def extra_repr(self) -> str:
         s = self._spec
         return (f"{s.in_channels}, {s.out_channels}, kernel_size={s.kernel}, stride={s.stride}, "
-                f"padding={s.padding}, bias={s.bias}, norm={s.normalization.value!r}, "
+                f"padding={s.padding}, " + (f"dilation={s.dilation}, " if s.dilation != (1, 1) else "")
+                + (f"groups={s.groups}, " if s.groups != 1 else "") + f"bias={s.bias}, norm={s.normalization.value!r}, "
                 f"activation={s.activation.value!r}, eps={s.bn_epsilon}, momentum={s.bn_momentum}, "
                 f"running_var={s.bn_running_var.value!r}" + (", layout='NHWC'" if self.layout == "NHWC" else ""))
 
@@ -264,7 +268,8 @@ class Conv2dNormActivation(nn.Module):
                               ("running_var", getattr(norm, "running_var", None))) if t is not None}
         folded = folded_state(spec, state)  # raises without batch norm
         s = self._spec
-        other = Conv2dNormActivation(s.in_channels, s.out_channels, s.kernel, s.stride, s.padding, bias=True,
+        other = Conv2dNormActivation(s.in_channels, s.out_channels, s.kernel, s.stride, s.padding, s.dilation,
+                                     s.groups, bias=True,
                                      norm="none", activation=s.activation.value, negative_slope=s.negative_slope,
                                      alpha=s.elu_alpha, device=weight.device,
                                      dtype=weight.dtype, layout=self.layout, cuda_graphs=self.cuda_graphs,
@@ -374,7 +379,7 @@ class Conv2dNormActivation(nn.Module):
         return y
 
 
-_DEFAULTS = {"dilation": 1, "groups": 1, "padding_mode": "zeros", "affine": True, "track_running_stats": True}
+_DEFAULTS = {"padding_mode": "zeros", "affine": True, "track_running_stats": True}
 
 
 def _refuse_unimplemented(**given: Any) -> None:
@@ -393,8 +398,7 @@ def _refuse_unimplemented(**given: Any) -> None:
                                           "momentum in [0, 1] so far")
             continue
         default = _DEFAULTS[name]
-        same = value == default or (name == "dilation" and value in ((1, 1), [1, 1]))
-        if not same or isinstance(value, bool) != isinstance(default, bool):
+        if value != default or isinstance(value, bool) != isinstance(default, bool):
             raise NotImplementedError(f"{name}={value!r}: conv2d implements only {name}={default!r} so far; use "
                                       f"torch.nn.Conv2d/BatchNorm2d for this layer")
 
@@ -437,8 +441,8 @@ def reference_sequential(module: Conv2dNormActivation) -> nn.Sequential:
     and state_dict keys (nn.BatchNorm2d has only the unbiased running-variance rule)."""
     s = module._spec
     w = module.conv.weight
-    conv = nn.Conv2d(s.in_channels, s.out_channels, s.kernel, s.stride, s.padding, bias=s.bias,
-                     device=w.device, dtype=w.dtype)
+    conv = nn.Conv2d(s.in_channels, s.out_channels, s.kernel, s.stride, s.padding, dilation=s.dilation,
+                     groups=s.groups, bias=s.bias, device=w.device, dtype=w.dtype)
     layers: list[nn.Module] = [conv]
     if module.norm is not None:
         where = dict(device=w.device, dtype=module.norm.weight.dtype)
