@@ -137,6 +137,25 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+def not_taken(name: str, spec: LayerSpec) -> str | None:
+    """Why backend `name` does not take `spec` yet (a feature it lacks), or None: known
+    without importing the backend, so that checks and tests can say so instead of
+    failing. The backend raises NotImplementedError with the same words."""
+    if name != "cuda":
+        return None
+    if not spec.plain_padding:
+        return (f"padding {spec.pads} with padding_mode={spec.padding_mode!r}: the CUDA backend takes symmetric zero "
+                f"padding for now; the reference backend takes this")
+    if spec.groups != 1 or spec.dilation != (1, 1):
+        return (f"groups={spec.groups}, dilation={spec.dilation}: the CUDA backend takes groups=1 and dilation=1 "
+                f"for now; the reference backend takes both")
+    if spec.batch_invariant:
+        return ("batch_invariant: the CUDA backend does not give batch-invariant results yet (cuDNN's plans and "
+                "the kernels' partitions are chosen per batch size); the reference backend does, or use "
+                "batch_invariant=False")
+    return None
+
+
 def check_options(name: str, options: Any) -> dict[str, Any]:
     """`options` as a dict after checking that backend `name` takes every key."""
     if options is None:

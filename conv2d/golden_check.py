@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from conv2d.backend import not_taken
+
 GOLDEN_DIR = Path(__file__).parent / "golden"
 DTYPES = {"reference": ("float64", "float32", "float16", "bfloat16"), "cuda": ("float32", "float16", "bfloat16")}
 
@@ -76,12 +78,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     backends = _backends(args, parser)
     if backends is None:
         return 1
-    rows, failures, start = [], 0, time.perf_counter()
+    rows, failures, not_taken_rows, start = [], 0, 0, time.perf_counter()
     print("| spec | dtype | backend | worst error / tolerance | bitwise repeat | result |")
     print("| --- | --- | --- | ---: | --- | --- |")
     for path in files:
         case = load_case(path)
         for backend in backends:
+            reason = not_taken(backend, case.spec)
+            if reason is not None:  # a feature the backend does not have yet: said, not failed
+                not_taken_rows += 1
+                print(f"| {case.name} | - | {backend} | - | - | not taken by this backend yet: {reason} |",
+                      flush=True)
+                continue
             for dtype in DTYPES[backend]:
                 worst, repeat, error = 0.0, "-", None
                 try:
@@ -105,7 +113,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         print(f"conv2d check: {failures} of {len(rows)} checks FAILED ({len(files)} golden specs, backends "
               f"{', '.join(backends)}, {elapsed:.1f} s)")
         return 1
+    skipped = f"; {not_taken_rows} spec x backend pairs not taken yet (listed)" if not_taken_rows else ""
     print(f"conv2d check: all {len(rows)} checks passed ({len(files)} golden specs x dtypes, backends "
           f"{', '.join(backends)}, train and eval{', bitwise repeats on the GPU' if 'cuda' in backends else ''}; "
-          f"{elapsed:.1f} s)")
+          f"{elapsed:.1f} s{skipped})")
     return 0

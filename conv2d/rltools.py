@@ -93,7 +93,9 @@ def attributes(spec: LayerSpec) -> dict[str, str]:
     if spec.activation not in _ACTIVATIONS:
         raise ValueError(f"activation: rl_tools has no {spec.activation.value!r}; it knows "
                          f"{sorted(a.value for a in _ACTIVATIONS)}")
-    for name, value, plain in (("groups", spec.groups, 1), ("dilation", spec.dilation, (1, 1))):
+    for name, value, plain in (("groups", spec.groups, 1), ("dilation", spec.dilation, (1, 1)),
+                               ("padding_mode", spec.padding_mode, "zeros"), ("padding_end", spec.padding_end,
+                                                                                spec.padding)):
         if value != plain:
             raise ValueError(f"{name}: rl_tools' conv2d layer has no {name} (got {name}={value!r}); it would read "
                              f"the weights as a plain convolution's")

@@ -58,6 +58,34 @@ def _enum_value(enum: type[Enum], name: str, value: Any) -> Enum:
     raise ValueError(f"LayerSpec.{name}: expected one of {allowed}, got {value!r}")
 
 
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
+def _paddings(padding: Any, padding_end: Any, kernel: tuple[int, int], stride: tuple[int, int],
+              dilation: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(padding, padding_end) as pairs, from an int, a pair, "valid", "same" or
+    ((top, bottom), (left, right))."""
+    if isinstance(padding, str) or (isinstance(padding, (tuple, list)) and len(padding) == 2
+                                    and all(isinstance(p, (tuple, list)) for p in padding)):
+        if padding_end is not None:
+            raise ValueError(f"LayerSpec.padding_end: given beside padding={padding!r}, which says both ends")
+        if padding == "valid":
+            return (0, 0), (0, 0)
+        if padding == "same":
+            if stride != (1, 1):
+                raise ValueError(f"LayerSpec.padding: 'same' needs stride 1 (as PyTorch's), got stride {stride}")
+            totals = [d * (k - 1) for k, d in zip(kernel, dilation)]
+            begin = tuple(t // 2 for t in totals)
+            return begin, tuple(t - b for t, b in zip(totals, begin))
+        if isinstance(padding, str):
+            raise ValueError(f"LayerSpec.padding: expected an int, a pair, 'same', 'valid' or ((top, bottom), "
+                             f"(left, right)), got {padding!r}")
+        (top, bottom), (left, right) = (_pair("padding", tuple(p)) for p in padding)
+        return (top, left), (bottom, right)
+    begin = _pair("padding", padding)
+    return begin, (begin if padding_end is None else _pair("padding_end", padding_end))
+
+
 def _is_int(value: Any) -> bool:
     # bool is an int subclass, but `kernel=True` is a bug, not a size.
     return isinstance(value, int) and not isinstance(value, bool)
@@ -78,7 +106,13 @@ class LayerSpec:
 
     Input `(N, H, W, C)` = (batch_size, in_height, in_width, in_channels); output
     `(N, OH, OW, OC)`; weights `(OC, KH, KW, IC)`. `kernel`, `stride` and `padding` take an
-    int or an (H, W) pair and are stored as pairs; padding is symmetric zero padding.
+    int or an (H, W) pair and are stored as pairs. `padding` is the rows above and the
+    columns left of the input; `padding_end` the rows below and columns right (None: as
+    `padding`). `padding` may also be "valid" (none), "same" (PyTorch's rule: the output
+    keeps the input's size at stride 1, the odd extra row or column at the bottom/right)
+    or ((top, bottom), (left, right)); either way both fields are stored as the pairs.
+    `padding_mode`: "zeros", "reflect", "replicate" or "circular", as PyTorch's. The CUDA
+    backend takes symmetric zero padding only, for now.
     `dilation` (an int or pair, as PyTorch's) spaces the kernel's taps; `groups` splits the
     channels into that many independent convolutions (PyTorch's; `groups == in_channels`
     is depthwise), the weights then `(OC, KH, KW, IC / groups)`. The CUDA backend takes
@@ -107,7 +141,9 @@ class LayerSpec:
     out_channels: int
     kernel: IntPair = 3
     stride: IntPair = 1
-    padding: IntPair = 0
+    padding: IntPair | str | tuple = 0
+    padding_end: IntPair | None = None
+    padding_mode: str = "zeros"
     dilation: IntPair = 1
     groups: int = 1
     activation: Activation | str = Activation.IDENTITY
@@ -131,10 +167,10 @@ class LayerSpec:
                 raise ValueError(f"LayerSpec.{name}: expected an int >= 1, got {value!r}")
         kernel = _pair("kernel", self.kernel)
         stride = _pair("stride", self.stride)
-        padding = _pair("padding", self.padding)
         dilation = _pair("dilation", self.dilation)
+        padding, padding_end = _paddings(self.padding, self.padding_end, kernel, stride, dilation)
         for name, pair, least in (("kernel", kernel, 1), ("stride", stride, 1), ("padding", padding, 0),
-                                  ("dilation", dilation, 1)):
+                                  ("padding_end", padding_end, 0), ("dilation", dilation, 1)):
             if min(pair) < least:
                 raise ValueError(f"LayerSpec.{name}: expected every entry >= {least}, got {getattr(self, name)!r}")
             if max(pair) > MAX_DIM:
@@ -146,18 +182,30 @@ class LayerSpec:
         if not _is_int(g) or g < 1 or self.in_channels % g or self.out_channels % g:
             raise ValueError(f"LayerSpec.groups: expected an int >= 1 that divides in_channels "
                              f"({self.in_channels}) and out_channels ({self.out_channels}), got {g!r}")
-        for axis, size, k, p, d in (("height", self.in_height, kernel[0], padding[0], dilation[0]),
-                                    ("width", self.in_width, kernel[1], padding[1], dilation[1])):
+        if self.padding_mode not in PADDING_MODES:
+            raise ValueError(f"LayerSpec.padding_mode: expected one of {list(PADDING_MODES)}, got "
+                             f"{self.padding_mode!r}")
+        for axis, size, k, p, q, d in (("height", self.in_height, kernel[0], padding[0], padding_end[0], dilation[0]),
+                                       ("width", self.in_width, kernel[1], padding[1], padding_end[1], dilation[1])):
             extent = (k - 1) * d + 1
-            if extent > size + 2 * p:
+            if extent > size + p + q:
                 spread = f" (dilated by {d}: {extent})" if d > 1 else ""
                 raise ValueError(
                     f"LayerSpec.kernel: the kernel's {axis} {k}{spread} is larger than the padded input's "
-                    f"{axis} {size} + 2*{p} = {size + 2 * p}")
+                    f"{axis} {size} + {p} + {q} = {size + p + q}")
+            # PyTorch's limits: a reflection needs a row (column) beyond the edge; a wrap
+            # at most the whole input.
+            if self.padding_mode == "reflect" and max(p, q) >= size:
+                raise ValueError(f"LayerSpec.padding: padding_mode='reflect' needs padding < the input's {axis} "
+                                 f"{size}, got {max(p, q)}")
+            if self.padding_mode == "circular" and max(p, q) > size:
+                raise ValueError(f"LayerSpec.padding: padding_mode='circular' needs padding <= the input's "
+                                 f"{axis} {size}, got {max(p, q)}")
         set_(self, "kernel", kernel)
         set_(self, "dilation", dilation)
         set_(self, "stride", stride)
         set_(self, "padding", padding)
+        set_(self, "padding_end", padding_end)
         set_(self, "activation", _enum_value(Activation, "activation", self.activation))
         set_(self, "normalization", _enum_value(Normalization, "normalization", self.normalization))
         set_(self, "dtype", _enum_value(DType, "dtype", self.dtype))
@@ -195,15 +243,15 @@ class LayerSpec:
         # A spec whose arrays cannot exist fails here, naming the field, rather than in an
         # allocation (int64 sizes, and no array of one call over MAX_ELEMENTS values).
         kh, kw = self.kernel
-        ph, pw = self.padding
+        (top, bottom), (left, right) = self.pads
         sh, sw = self.stride
         arrays = {"weights (out_channels*kernel*in_channels/groups)": (math.prod(self.weight_shape),
                                                                  "out_channels"),
-                  "the padded input of one sample": ((self.in_height + 2 * ph) * (self.in_width + 2 * pw)
+                  "the padded input of one sample": ((self.in_height + top + bottom) * (self.in_width + left + right)
                                                      * self.in_channels, "padding"),
                   "the output of one sample": (self.out_height * self.out_width * self.out_channels, "out_channels"),
                   # a window view steps stride rows (or columns) of the padded input at a time
-                  "one stride's step through the padded input": (max(sh * (self.in_width + 2 * pw), sw)
+                  "one stride's step through the padded input": (max(sh * (self.in_width + left + right), sw)
                                                                  * self.in_channels, "stride")}
         if self.batch_size is not None:
             arrays["the planned batch's output"] = (self.batch_size * self.out_height * self.out_width
@@ -227,8 +275,9 @@ class LayerSpec:
         only (no validation, no hashing), so that it also computes with torch's symbolic
         sizes under torch.compile."""
         (kh, kw), (dh, dw) = self.kernel, self.dilation
-        return ((in_height + 2 * self.padding[0] - (kh - 1) * dh - 1) // self.stride[0] + 1,
-                (in_width + 2 * self.padding[1] - (kw - 1) * dw - 1) // self.stride[1] + 1)
+        (top, bottom), (left, right) = self.pads
+        return ((in_height + top + bottom - (kh - 1) * dh - 1) // self.stride[0] + 1,
+                (in_width + left + right - (kw - 1) * dw - 1) // self.stride[1] + 1)
 
     def _planned_batch(self) -> int:
         if self.batch_size is None:
@@ -254,6 +303,16 @@ class LayerSpec:
         if (batch_size, h, w) == (self.batch_size, self.in_height, self.in_width):
             return self
         return _at(self, batch_size, h, w)
+
+    @property
+    def pads(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((top, bottom), (left, right)): the padding on each side."""
+        return ((self.padding[0], self.padding_end[0]), (self.padding[1], self.padding_end[1]))
+
+    @property
+    def plain_padding(self) -> bool:
+        """Whether the padding is symmetric and of zeros (what cuDNN's graphs here take)."""
+        return self.padding_end == self.padding and self.padding_mode == "zeros"
 
     @property
     def activation_parameter(self) -> float | None:

@@ -53,6 +53,11 @@ GOLDEN = {
     "gelu_depthwise_x2": (dict(batch_size=2, in_height=8, in_width=7, in_channels=3, out_channels=6, kernel=3, stride=2, padding=1, groups=3, activation="gelu"), 1.0, 23),
     "tanh_dilation2_ln": (dict(batch_size=2, in_height=9, in_width=10, in_channels=3, out_channels=4, kernel=3, padding=2, dilation=2, activation="tanh", normalization="layer_norm"), 1.0, 24),
     "silu_dilation_rect_groups": (dict(batch_size=2, in_height=11, in_width=9, in_channels=4, out_channels=4, kernel=(3, 2), stride=(1, 2), padding=(2, 1), dilation=(2, 3), groups=2, activation="silu", normalization="batch_norm"), 1.0, 25),
+    "relu_same_even_k4": (dict(batch_size=2, in_height=7, in_width=6, in_channels=3, out_channels=4, kernel=4, padding="same", activation="relu", normalization="batch_norm"), 1.0, 26),
+    "tanh_reflect_pad2": (dict(batch_size=2, in_height=6, in_width=7, in_channels=2, out_channels=3, kernel=3, padding=2, padding_mode="reflect", activation="tanh"), 1.0, 27),
+    "gelu_replicate_stride2_ln": (dict(batch_size=3, in_height=8, in_width=7, in_channels=3, out_channels=4, kernel=3, stride=2, padding=(1, 2), padding_mode="replicate", activation="gelu", normalization="layer_norm"), 1.0, 28),
+    "sigmoid_circular_same_k2": (dict(batch_size=2, in_height=5, in_width=6, in_channels=2, out_channels=3, kernel=2, padding="same", padding_mode="circular", activation="sigmoid", normalization="batch_norm"), 1.0, 29),
+    "identity_asymmetric": (dict(batch_size=2, in_height=6, in_width=6, in_channels=3, out_channels=2, kernel=3, padding=((0, 2), (1, 0)), activation="identity"), 1.0, 30),
 }
 
 

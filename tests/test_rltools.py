@@ -319,7 +319,8 @@ def test_paths_that_are_no_hdf5_file_are_prompt_value_errors(tmp_path):
         rltools.load(tmp_path / "absent.h5", into=Conv2d(SPEC))
 
 
-@pytest.mark.parametrize("option", [dict(groups=2, in_channels=2), dict(dilation=2)])
+@pytest.mark.parametrize("option", [dict(groups=2, in_channels=2), dict(dilation=2),
+                                    dict(padding_mode="reflect", padding=1), dict(padding_end=2, padding=1)])
 def test_a_layer_rl_tools_cannot_express_is_refused(tmp_path, option):
     layer = make_layer(small_layer_spec(**{"in_channels": 2, "out_channels": 4, **option}))
     with pytest.raises(ValueError, match=f"{next(iter(option))}: rl_tools' conv2d layer has no"):

@@ -57,8 +57,8 @@ def test_to_dict_round_trips():
 
 
 def test_from_dict_rejects_unknown_fields():
-    with pytest.raises(ValueError, match="unknown fields.*padding_mode"):
-        LayerSpec.from_dict({**LayerSpec(**BASE).to_dict(), "padding_mode": "reflect"})
+    with pytest.raises(ValueError, match="unknown fields.*padding_value"):
+        LayerSpec.from_dict({**LayerSpec(**BASE).to_dict(), "padding_value": 1.0})
 
 
 @pytest.mark.parametrize("changes, field, rule", [

@@ -379,3 +379,25 @@ def test_groups_and_dilation_match_pytorchs_conv(channels, options, norm):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     for k in want[2]:
         torch.testing.assert_close(got[2][k], want[2][k], rtol=1e-10, atol=1e-12, msg=k)
+
+
+@pytest.mark.parametrize("kernel, options", [
+    (4, dict(padding="same")), (3, dict(padding="same", dilation=2)), (3, dict(padding="valid")),
+    (3, dict(padding=1, padding_mode="reflect")), (3, dict(padding=(2, 1), padding_mode="replicate")),
+    (4, dict(padding="same", padding_mode="circular"))],
+    ids=["same_even", "same_dilated", "valid", "reflect", "replicate_pair", "same_circular"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_padding_strings_and_modes_match_pytorchs_conv(kernel, options, norm):
+    torch.manual_seed(0)
+    ours = Conv2dNormActivation(3, 5, kernel, norm=norm, activation="tanh", dtype=torch.float64, **options)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    theirs = reference_sequential(ours)
+    x = channels_last((3, 3, 9, 8))
+    d_y = channels_last(tuple(theirs(x).shape), seed=2)
+    got, want = run(ours, x, d_y), run(theirs, x, d_y)
+    for a, b in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for k in want[2]:
+        torch.testing.assert_close(got[2][k], want[2][k], rtol=1e-10, atol=1e-12, msg=k)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from conv2d.arrays import NUMPY, library
+from conv2d.backend import not_taken
 from conv2d.cuda import cudnn, kernels as K, steps
 from conv2d.cuda.arguments import Arguments
 from conv2d.cuda.kernels import simple
@@ -56,13 +57,9 @@ def _check_options(spec: LayerSpec, allow_tf32: bool, autotune: bool, fast_paths
     if spec.dtype is DType.FLOAT64:
         raise ValueError("dtype: float64 is the reference backend's oracle type; the CUDA backend takes "
                          "float32, float16 or bfloat16")
-    if spec.groups != 1 or spec.dilation != (1, 1):
-        raise NotImplementedError(f"groups={spec.groups}, dilation={spec.dilation}: the CUDA backend takes groups=1 "
-                                  f"and dilation=1 for now; the reference backend takes both")
-    if spec.batch_invariant:
-        raise NotImplementedError("batch_invariant: the CUDA backend does not give batch-invariant results yet "
-                                  "(cuDNN's plans and the kernels' partitions are chosen per batch size); the "
-                                  "reference backend does, or use batch_invariant=False")
+    reason = not_taken("cuda", spec)
+    if reason is not None:
+        raise NotImplementedError(reason)
     for name, value in (("allow_tf32", allow_tf32), ("autotune", autotune), ("fast_paths", fast_paths)):
         if not isinstance(value, bool):
             raise TypeError(f"{name}: expected a bool, got {value!r}")

@@ -15,12 +15,54 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 
-def pad(x: np.ndarray, padding: tuple[int, int]) -> np.ndarray:
-    """(N, H, W, C) -> (N, H + 2*PH, W + 2*PW, C), zeros around; `x` itself when no padding."""
-    ph, pw = padding
-    if ph == 0 and pw == 0:
+Pads = tuple[tuple[int, int], tuple[int, int]]
+# PyTorch's padding modes as NumPy's np.pad names them.
+_NUMPY_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
+
+
+def pads_of(padding: tuple) -> Pads:
+    """((top, bottom), (left, right)) from itself or from a symmetric (PH, PW)."""
+    if isinstance(padding[0], tuple):
+        return padding
+    return ((padding[0], padding[0]), (padding[1], padding[1]))
+
+
+def pad(x: np.ndarray, padding: tuple, mode: str = "zeros") -> np.ndarray:
+    """(N, H, W, C) -> (N, top + H + bottom, left + W + right, C), padded as `mode` says
+    (LayerSpec.padding_mode); `x` itself when there is no padding."""
+    (top, bottom), (left, right) = pads_of(padding)
+    if top == bottom == left == right == 0:
         return x
-    return np.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)))
+    return np.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)), mode=_NUMPY_MODES[mode])
+
+
+def _sources(size: int, before: int, after: int, mode: str) -> np.ndarray:
+    """For each of the before + size + after padded positions of one axis, the input
+    position it copies (-1: a zero)."""
+    j = np.arange(-before, size + after)
+    if mode == "zeros":
+        return np.where((j >= 0) & (j < size), j, -1)
+    if mode == "reflect":
+        return np.where(j < 0, -j, np.where(j >= size, 2 * (size - 1) - j, j))
+    if mode == "replicate":
+        return np.clip(j, 0, size - 1)
+    return j % size  # circular
+
+
+def unpad(d_xp: np.ndarray, padding: tuple, mode: str, input_hw: tuple[int, int]) -> np.ndarray:
+    """The adjoint of `pad`: the gradient (N, H, W, C) of x from that of the padded input,
+    each padded position's gradient added to the input position it copies (in order of
+    the padded positions: rows, then columns)."""
+    (top, bottom), (left, right) = pads_of(padding)
+    h, w = input_hw
+    if mode == "zeros":
+        return np.ascontiguousarray(d_xp[:, top:top + h, left:left + w, :])
+    rows, cols = _sources(h, top, bottom, mode), _sources(w, left, right, mode)
+    by_rows = np.zeros((d_xp.shape[0], h, d_xp.shape[2], d_xp.shape[3]), dtype=d_xp.dtype)
+    np.add.at(by_rows, (slice(None), rows), d_xp)
+    d_x = np.zeros((d_xp.shape[0], h, w, d_xp.shape[3]), dtype=d_xp.dtype)
+    np.add.at(d_x, (slice(None), slice(None), cols), by_rows)
+    return d_x
 
 
 def windows(xp: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int],
@@ -58,18 +100,18 @@ def _block_samples(bytes_per_sample: int) -> int:
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
-                 padding: tuple[int, int], per_sample: bool = False, dilation: tuple[int, int] = (1, 1),
-                 groups: int = 1) -> np.ndarray:
+                 padding: tuple, per_sample: bool = False, dilation: tuple[int, int] = (1, 1),
+                 groups: int = 1, mode: str = "zeros") -> np.ndarray:
     """y[n, oh, ow, oc] = sum_{kh, kw, c} xp[n, oh*SH + kh, ow*SW + kw, c] * w[oc, kh, kw, c].
 
     `per_sample`: one matrix product a sample, of the same shape whatever N: BLAS picks its
     kernel (and so its summation order) by the product's shape, so blocks of samples give
     a sample other bits at another batch size; one sample at a time gives it the same."""
     if groups > 1:
-        return _by_group(groups, lambda xg, wg: conv_forward(xg, wg, stride, padding, per_sample, dilation), x, w,
-                         3, 0)
+        return _by_group(groups, lambda xg, wg: conv_forward(xg, wg, stride, padding, per_sample, dilation,
+                                                             mode=mode), x, w, 3, 0)
     oc, kh, kw, c = w.shape
-    cols = windows(pad(x, padding), (kh, kw), stride, dilation)
+    cols = windows(pad(x, padding, mode), (kh, kw), stride, dilation)
     n, oh, ow = cols.shape[:3]
     w_t = w.reshape(oc, kh * kw * c).T
     y = np.empty((n, oh, ow, oc), dtype=np.result_type(x, w))
@@ -82,19 +124,19 @@ def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
 
 
 def conv_backward_filter(x: np.ndarray, d_z: np.ndarray, kernel: tuple[int, int],
-                         stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int] = (1, 1),
-                         groups: int = 1) -> np.ndarray:
+                         stride: tuple[int, int], padding: tuple, dilation: tuple[int, int] = (1, 1),
+                         groups: int = 1, mode: str = "zeros") -> np.ndarray:
     """d_w[oc, kh, kw, c] = sum_{n, oh, ow} d_z[n, oh, ow, oc] * xp[n, oh*SH + kh, ow*SW + kw, c]
     (taps kh*DH, kw*DW with dilation; within each channel group)."""
     if groups > 1:
         # Each group's (OC / groups, KH, KW, C / groups) joined along OC: d_w's first axis.
-        run = lambda xg, dg: np.moveaxis(conv_backward_filter(xg, dg, kernel, stride, padding, dilation),  # noqa: E731
-                                         0, -1)
+        run = lambda xg, dg: np.moveaxis(conv_backward_filter(xg, dg, kernel, stride, padding, dilation,  # noqa: E731
+                                                              mode=mode), 0, -1)
         return np.ascontiguousarray(np.moveaxis(_by_group(groups, run, x, d_z, 3, 3), -1, 0))
     n, oh, ow, oc = d_z.shape
     kh, kw = kernel
     c = x.shape[3]
-    cols = windows(pad(x, padding), kernel, stride, dilation)
+    cols = windows(pad(x, padding, mode), kernel, stride, dilation)
     d_w = np.zeros((oc, kh * kw * c), dtype=np.result_type(x, d_z))
     step = _block_samples(oh * ow * kh * kw * c * x.itemsize)
     for i in range(0, n, step):
@@ -103,8 +145,8 @@ def conv_backward_filter(x: np.ndarray, d_z: np.ndarray, kernel: tuple[int, int]
 
 
 def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int],
-                       stride: tuple[int, int], padding: tuple[int, int], per_sample: bool = False,
-                       dilation: tuple[int, int] = (1, 1), groups: int = 1) -> np.ndarray:
+                       stride: tuple[int, int], padding: tuple, per_sample: bool = False,
+                       dilation: tuple[int, int] = (1, 1), groups: int = 1, mode: str = "zeros") -> np.ndarray:
     """d_x (N, H, W, C): the transpose of `conv_forward` applied to `d_z`.
 
     For each of the KH*KW kernel taps, one matrix product d_z @ w[:, kh, kw, :] gives that
@@ -115,14 +157,14 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
     """
     if groups > 1:
         return _by_group(groups, lambda wg, dg: conv_backward_data(wg, dg, input_hw, stride, padding, per_sample,
-                                                                   dilation), w, d_z, 0, 3)
+                                                                   dilation, mode=mode), w, d_z, 0, 3)
     n, oh, ow, oc = d_z.shape
     _, kh, kw, c = w.shape
     sh, sw = stride
-    ph, pw = padding
+    (top_pad, bottom_pad), (left_pad, right_pad) = pads_of(padding)
     dh, dw = dilation
     h, w_in = input_hw
-    hp, wp = h + 2 * ph, w_in + 2 * pw
+    hp, wp = h + top_pad + bottom_pad, w_in + left_pad + right_pad
     d_xp = np.zeros((n, hp, wp, c), dtype=np.result_type(w, d_z))
     step = 1 if per_sample else _block_samples((hp * wp + oh * ow) * c * d_xp.itemsize)
     for b in range(0, n, step):
@@ -133,7 +175,7 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
                 tap = (rows @ w[:, i, j, :]).reshape(-1, oh, ow, c)
                 top, left = i * dh, j * dw
                 out[:, top:top + sh * (oh - 1) + 1:sh, left:left + sw * (ow - 1) + 1:sw, :] += tap
-    return np.ascontiguousarray(d_xp[:, ph:ph + h, pw:pw + w_in, :])
+    return unpad(d_xp, padding, mode, input_hw)
 
 
 def bias_backward(d_z: np.ndarray) -> np.ndarray:

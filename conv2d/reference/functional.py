@@ -96,7 +96,8 @@ def _pre_activations(spec: LayerSpec, params: dict, x: np.ndarray) -> np.ndarray
     """conv(x, W) + b, (N, OH, OW, OC), rounded to the storage dtype."""
     ct, st = compute_dtype(spec.dtype), storage_dtype(spec.dtype)
     z = conv.conv_forward(x.astype(ct, copy=False), params["weights"].astype(ct, copy=False), spec.stride,
-                          spec.padding, per_sample=spec.batch_invariant, dilation=spec.dilation, groups=spec.groups)
+                          spec.pads, per_sample=spec.batch_invariant, dilation=spec.dilation, groups=spec.groups,
+                          mode=spec.padding_mode)
     if spec.bias:
         z += params["bias"].astype(ct, copy=False)
     return z.astype(st, copy=False)
@@ -217,8 +218,9 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
     d_x = None
     if want_input:
         w = params["weights"].astype(ct, copy=False)
-        d_x = conv.conv_backward_data(w, d_z_stored, (call.in_height, call.in_width), call.stride, call.padding,
-                                      per_sample=spec.batch_invariant, dilation=call.dilation, groups=call.groups)
+        d_x = conv.conv_backward_data(w, d_z_stored, (call.in_height, call.in_width), call.stride, call.pads,
+                                      per_sample=spec.batch_invariant, dilation=call.dilation, groups=call.groups,
+                                      mode=call.padding_mode)
         d_x = to_library(d_x.astype(st, copy=False), lib)
     if not want_params:
         return None, d_x
@@ -226,7 +228,7 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
     if spec.bias:
         new["bias"] = conv.bias_backward(d_z_stored)
     d_w = conv.conv_backward_filter(saved.x.astype(ct, copy=False), d_z_stored, call.kernel, call.stride,
-                                    call.padding, call.dilation, call.groups)
+                                    call.pads, call.dilation, call.groups, call.padding_mode)
     new["weights"] = d_w.astype(st, copy=False).astype(ct, copy=False)  # stored, as cuDNN writes it
     if acc is None:
         layout = grad_layout(spec)

@@ -41,8 +41,8 @@ def cancellation_scales(spec: LayerSpec, training: bool, x: np.ndarray,
     d_abs = np.abs(np.asarray(d_pre, dtype=np.float64))
     x_abs = np.abs(np.asarray(x).astype(np.float64))
     return {"bias": float(d_abs.sum(axis=(0, 1, 2)).max()),
-            "weights": float(conv_backward_filter(x_abs, d_abs, spec.kernel, spec.stride, spec.padding, spec.dilation,
-                                                  spec.groups).max())}
+            "weights": float(conv_backward_filter(x_abs, d_abs, spec.kernel, spec.stride, spec.pads, spec.dilation,
+                                                  spec.groups, spec.padding_mode).max())}
 
 
 def conditioning_scales(spec: LayerSpec, state: dict[str, np.ndarray], x: np.ndarray, d_y: np.ndarray,
@@ -93,8 +93,8 @@ def conditioning_scales(spec: LayerSpec, state: dict[str, np.ndarray], x: np.nda
         terms *= norm.expand(inv_std, axes)
         w = np.abs(params["weights"])
         c = saved.spec
-        out["d_x"] = float(conv_backward_data(w, terms, (c.in_height, c.in_width), c.stride, c.padding,
-                                              dilation=c.dilation, groups=c.groups).max())
+        out["d_x"] = float(conv_backward_data(w, terms, (c.in_height, c.in_width), c.stride, c.pads,
+                                              dilation=c.dilation, groups=c.groups, mode=c.padding_mode).max())
     return out
 
 

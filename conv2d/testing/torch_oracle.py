@@ -74,7 +74,10 @@ def run(spec: LayerSpec, state: dict[str, np.ndarray], x: np.ndarray, d_y: np.nd
     xt = t(x).permute(0, 3, 1, 2).requires_grad_(True)
     w = t(state["weights"]).permute(0, 3, 1, 2).contiguous().requires_grad_(True)
     b = t(state["bias"]).requires_grad_(True)
-    z = F.conv2d(xt, w, b, stride=spec.stride, padding=spec.padding, dilation=spec.dilation, groups=spec.groups)  # NCHW
+    (top, bottom), (left, right) = spec.pads
+    mode = {"zeros": "constant"}.get(spec.padding_mode, spec.padding_mode)  # F.pad's names
+    xp = F.pad(xt, (left, right, top, bottom), mode=mode)
+    z = F.conv2d(xp, w, b, stride=spec.stride, dilation=spec.dilation, groups=spec.groups)  # NCHW
     z.retain_grad()
     norm = spec.normalization.value
     params = {"weights": w, "bias": b}

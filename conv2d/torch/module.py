@@ -123,11 +123,11 @@ class Conv2dNormActivation(nn.Module):
     refuses it with NotImplementedError at the first call).
 
     `nn.Conv2d`'s and `nn.BatchNorm2d`'s other arguments are taken by name and refused
-    unless they have their default (NotImplementedError naming the option): `padding_mode`,
-    padding "same"/"valid", `affine`, `track_running_stats`, `momentum=None`. `dilation`
-    and `groups` (depthwise included) run on CPU tensors; the CUDA backend refuses them
-    (NotImplementedError at the first call) for now. Any other keyword is a TypeError, as in
-    PyTorch.
+    unless they have their default (NotImplementedError naming the option): `affine`,
+    `track_running_stats`, `momentum=None`. `dilation`, `groups` (depthwise included),
+    padding "same"/"valid" and `padding_mode` run on CPU tensors; the CUDA backend refuses
+    them (NotImplementedError at the first call) for now. Any other keyword is a TypeError,
+    as in PyTorch.
 
     Works in eager mode, under torch.compile (any batch size, `dynamic` or not,
     mode="reduce-overhead" included) and torch.export (the exported program runs wherever conv2d is
@@ -145,13 +145,13 @@ class Conv2dNormActivation(nn.Module):
                  cuda_graphs: bool = True, backend_options: dict[str, Any] | None = None,
                  batch_invariant: bool = False, negative_slope: float = 0.01, alpha: float = 1.0) -> None:
         super().__init__()
-        _refuse_unimplemented(padding=padding, padding_mode=padding_mode,
-                              affine=affine, track_running_stats=track_running_stats, momentum=momentum)
+        _refuse_unimplemented(affine=affine, track_running_stats=track_running_stats, momentum=momentum)
         backend_options = check_options("cuda", backend_options)
         if layout not in ("NCHW", "NHWC"):
             raise ValueError(f"layout: expected 'NCHW' or 'NHWC', got {layout!r}")
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs: expected a bool, got {cuda_graphs!r}")
+        self._padding = padding  # as given ("same" stays "same"): for the nn.Conv2d it stands for
         self.layout = layout
         self.cuda_graphs = cuda_graphs
         # A spec validates every argument now; its input size is a placeholder (every
@@ -163,6 +163,7 @@ class Conv2dNormActivation(nn.Module):
         # it computes (a float64 module takes eps=1e-300, as nn.BatchNorm2d does).
         self._spec = LayerSpec(batch_size=None, in_height=kh, in_width=kw, in_channels=in_channels,
                                out_channels=out_channels, kernel=kernel_size, stride=stride, padding=padding,
+                               padding_mode=padding_mode,
                                dilation=dilation, groups=groups,
                                activation=activation, normalization=norm, bn_momentum=momentum, bn_epsilon=eps,
                                bias=bias, bn_running_var=running_var, dtype=_DTYPES.get(dtype, DType.FLOAT32),
@@ -203,7 +204,9 @@ class Conv2dNormActivation(nn.Module):
     def extra_repr(self) -> str:
         s = self._spec
         return (f"{s.in_channels}, {s.out_channels}, kernel_size={s.kernel}, stride={s.stride}, "
-                f"padding={s.padding}, " + (f"dilation={s.dilation}, " if s.dilation != (1, 1) else "")
+                f"padding={self._padding!r}, " + (f"padding_mode={s.padding_mode!r}, " if s.padding_mode != "zeros"
+                                                  else "")
+                + (f"dilation={s.dilation}, " if s.dilation != (1, 1) else "")
                 + (f"groups={s.groups}, " if s.groups != 1 else "") + f"bias={s.bias}, norm={s.normalization.value!r}, "
                 f"activation={s.activation.value!r}, eps={s.bn_epsilon}, momentum={s.bn_momentum}, "
                 f"running_var={s.bn_running_var.value!r}" + (", layout='NHWC'" if self.layout == "NHWC" else ""))
@@ -268,8 +271,8 @@ class Conv2dNormActivation(nn.Module):
                               ("running_var", getattr(norm, "running_var", None))) if t is not None}
         folded = folded_state(spec, state)  # raises without batch norm
         s = self._spec
-        other = Conv2dNormActivation(s.in_channels, s.out_channels, s.kernel, s.stride, s.padding, s.dilation,
-                                     s.groups, bias=True,
+        other = Conv2dNormActivation(s.in_channels, s.out_channels, s.kernel, s.stride, self._padding, s.dilation,
+                                     s.groups, bias=True, padding_mode=s.padding_mode,
                                      norm="none", activation=s.activation.value, negative_slope=s.negative_slope,
                                      alpha=s.elu_alpha, device=weight.device,
                                      dtype=weight.dtype, layout=self.layout, cuda_graphs=self.cuda_graphs,
@@ -379,19 +382,13 @@ class Conv2dNormActivation(nn.Module):
         return y
 
 
-_DEFAULTS = {"padding_mode": "zeros", "affine": True, "track_running_stats": True}
+_DEFAULTS = {"affine": True, "track_running_stats": True}
 
 
 def _refuse_unimplemented(**given: Any) -> None:
     """nn.Conv2d's and nn.BatchNorm2d's arguments that this library does not implement yet:
     refused unless they have their defaults, never ignored."""
     for name, value in given.items():
-        if name == "padding":
-            if isinstance(value, str):
-                raise NotImplementedError(f"padding={value!r}: conv2d takes an int or an (h, w) pair of symmetric "
-                                          f"zero padding so far (give the pair that {value!r} means for your "
-                                          f"kernel, or use torch.nn.Conv2d)")
-            continue
         if name == "momentum":
             if value is None:
                 raise NotImplementedError("momentum=None (a cumulative average): conv2d's batch norm takes a "
@@ -441,8 +438,8 @@ def reference_sequential(module: Conv2dNormActivation) -> nn.Sequential:
     and state_dict keys (nn.BatchNorm2d has only the unbiased running-variance rule)."""
     s = module._spec
     w = module.conv.weight
-    conv = nn.Conv2d(s.in_channels, s.out_channels, s.kernel, s.stride, s.padding, dilation=s.dilation,
-                     groups=s.groups, bias=s.bias, device=w.device, dtype=w.dtype)
+    conv = nn.Conv2d(s.in_channels, s.out_channels, s.kernel, s.stride, module._padding, dilation=s.dilation,
+                     groups=s.groups, bias=s.bias, padding_mode=s.padding_mode, device=w.device, dtype=w.dtype)
     layers: list[nn.Module] = [conv]
     if module.norm is not None:
         where = dict(device=w.device, dtype=module.norm.weight.dtype)
