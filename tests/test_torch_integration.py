@@ -236,7 +236,7 @@ def test_swap_converts_every_run_and_computes_what_the_model_did():
     want = model(x)
     swapped = swap(copy.deepcopy(model))
     kinds = [type(m).__name__ for m in swapped.modules()]
-    assert kinds.count("Conv2dNormActivation") == 3 and kinds.count("Conv2d") == 1  # groups=2 stays
+    assert kinds.count("Conv2dNormActivation") == 4 and kinds.count("Conv2d") == 0  # groups=2 too, on the CPU
     torch.testing.assert_close(swapped(x), want)
     model.train()
     swapped.train()
@@ -253,6 +253,19 @@ def test_swap_converts_the_newer_activations_and_unswap_restores_them(activation
     assert [type(m).__name__ for m in swapped.modules()].count("Conv2dNormActivation") == 1
     torch.testing.assert_close(swapped(x), model(x))
     assert repr(unswap(swapped)[2]) == repr(activation)  # its parameter included
+
+
+def test_swap_converts_a_depthwise_separable_block_on_the_cpu():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Conv2d(4, 8, 3, padding="same", groups=4, bias=False, padding_mode="reflect"),
+                          nn.BatchNorm2d(8), nn.ReLU6(), nn.Conv2d(8, 6, 1), nn.BatchNorm2d(6), nn.Hardswish()
+                          ).double().eval()
+    x = nchw(2, 4, 7, 7)
+    swapped = swap(copy.deepcopy(block))
+    assert [type(m).__name__ for m in swapped.modules()].count("Conv2dNormActivation") == 2
+    torch.testing.assert_close(swapped(x), block(x))
+    restored = unswap(swapped)
+    assert restored[0].groups == 4 and restored[0].padding == "same" and restored[0].padding_mode == "reflect"
 
 
 def test_checkpoints_load_either_way_between_a_model_and_its_swap():

@@ -7,9 +7,10 @@ Runs are found in `nn.Sequential` containers only (torchvision's Conv2dNormActiv
 one), where the order of the children is the order they run in; a custom module's
 attributes (ResNet's conv1, bn1, relu) say nothing about what its forward does between
 them, and are left alone. The module takes the Conv2d's place and the norm and the
-activation become `nn.Identity`, so every index and name stays. A Conv2d with an option
-this library does not implement (groups, dilation, padding modes, string padding), a
-norm without affine parameters or running statistics, is left as it is; an activation
+activation become `nn.Identity`, so every index and name stays. A Conv2d on a GPU with an
+option the CUDA backend does not take yet (groups, dilation, padding modes, string
+padding; on the CPU every Conv2d converts), a norm without affine parameters or running
+statistics, is left as it is; an activation
 it has no name for ends the run (it stays after the module). Hooks registered on the
 replaced modules do not move to the new one.
 """
@@ -35,8 +36,13 @@ def _activation(module: nn.Module) -> str | None:
 
 
 def _convertible_conv(conv: nn.Module) -> bool:
-    return (type(conv) is nn.Conv2d and conv.groups == 1 and conv.dilation == (1, 1)
-            and conv.padding_mode == "zeros" and not isinstance(conv.padding, str))
+    """An nn.Conv2d the module runs where its weight lives: any on the CPU (the reference
+    takes groups, dilation, padding strings and modes); on a GPU the CUDA backend's
+    plain convolutions only, for now (the others stay PyTorch's)."""
+    if type(conv) is not nn.Conv2d:
+        return False
+    return not conv.weight.is_cuda or (conv.groups == 1 and conv.dilation == (1, 1)
+                                       and conv.padding_mode == "zeros" and not isinstance(conv.padding, str))
 
 
 def _norm_kind(norm: nn.Module, channels: int) -> str | None:
@@ -123,7 +129,8 @@ def swap(model: nn.Module) -> nn.Module:
             elif isinstance(act, nn.ELU):
                 options["alpha"] = act.alpha
             ours = Conv2dNormActivation(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
-                                        conv.padding, bias=conv.bias is not None, norm=kind,
+                                        conv.padding, conv.dilation, conv.groups, bias=conv.bias is not None,
+                                        padding_mode=conv.padding_mode, norm=kind,
                                         activation=_activation(act) if act is not None else "identity",
                                         device=conv.weight.device, dtype=conv.weight.dtype, **options)
             with torch.no_grad():

@@ -1,0 +1,63 @@
+"""PyTorch's convolution options in random combinations (Hypothesis): the reference backend
+in float64 against PyTorch's autograd in float64 (conv2d.testing.torch_oracle), forward
+in training and eval, d_x and every parameter gradient."""
+
+import numpy as np
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed (the test extra brings it)")
+pytest.importorskip("torch", reason="torch (the oracle) is not installed")
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from conftest import make_layer, random_inputs  # noqa: E402
+from conv2d import LayerSpec  # noqa: E402
+from conv2d.testing import torch_oracle  # noqa: E402
+
+ACTIVATIONS = ["identity", "relu", "tanh", "gelu", "silu", "relu6", "hardswish", "leaky_relu", "elu"]
+
+
+@st.composite
+def specs(draw):
+    groups = draw(st.sampled_from([1, 2, 3]))
+    fields = dict(batch_size=draw(st.integers(1, 3)), in_height=draw(st.integers(3, 9)),
+                  in_width=draw(st.integers(3, 9)), in_channels=groups * draw(st.integers(1, 2)),
+                  out_channels=groups * draw(st.integers(1, 3)), groups=groups,
+                  kernel=(draw(st.integers(1, 4)), draw(st.integers(1, 4))),
+                  stride=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
+                  dilation=(draw(st.integers(1, 2)), draw(st.integers(1, 2))),
+                  padding_mode=draw(st.sampled_from(["zeros", "reflect", "replicate", "circular"])),
+                  activation=draw(st.sampled_from(ACTIVATIONS)),
+                  normalization=draw(st.sampled_from(["none", "batch_norm", "layer_norm"])), dtype="float64")
+    padding = draw(st.sampled_from(["int", "pair", "same", "valid", "asymmetric"]))
+    if padding == "same":
+        fields.update(padding="same", stride=1)
+    elif padding == "valid":
+        fields["padding"] = "valid"
+    elif padding == "asymmetric":
+        fields["padding"] = tuple((draw(st.integers(0, 2)), draw(st.integers(0, 2))) for _ in range(2))
+    else:
+        fields["padding"] = draw(st.integers(0, 2)) if padding == "int" else (draw(st.integers(0, 2)),
+                                                                                  draw(st.integers(0, 2)))
+    if fields["activation"] == "leaky_relu":
+        fields["negative_slope"] = draw(st.floats(-0.5, 0.5))
+    if fields["activation"] == "elu":
+        fields["elu_alpha"] = draw(st.floats(0.1, 2.0))
+    try:
+        return LayerSpec(**fields)
+    except ValueError:  # a combination that cannot exist (a kernel larger than the input, ...)
+        assume(False)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.filter_too_much])
+@given(spec=specs(), training=st.booleans())
+def test_random_option_combinations_match_pytorch_in_float64(spec, training):
+    if spec.normalization.value == "batch_norm" and training:
+        assume(spec.batch_size * spec.out_height * spec.out_width > 1)  # a variance needs two values
+    layer = make_layer(spec, seed=1)
+    x, d_y = random_inputs(spec, seed=2)
+    want = torch_oracle.run(spec, layer.state_dict(), x, d_y, training)
+    np.testing.assert_allclose(layer.forward(x, training=training), want["y"], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(layer.backward_full(x, d_y), want["d_x"], rtol=1e-9, atol=1e-11)
+    for name, grad in layer.grad_dict().items():
+        np.testing.assert_allclose(grad, want[f"grad.{name}"], rtol=1e-9, atol=1e-11, err_msg=name)
