@@ -95,7 +95,9 @@ def attributes(spec: LayerSpec) -> dict[str, str]:
                          f"{sorted(a.value for a in _ACTIVATIONS)}")
     for name, value, plain in (("groups", spec.groups, 1), ("dilation", spec.dilation, (1, 1)),
                                ("padding_mode", spec.padding_mode, "zeros"), ("padding_end", spec.padding_end,
-                                                                                spec.padding)):
+                                                                                spec.padding),
+                               ("bn_affine", spec.bn_affine, True),
+                               ("bn_track_running_stats", spec.bn_track_running_stats, True)):
         if value != plain:
             raise ValueError(f"{name}: rl_tools' conv2d layer has no {name} (got {name}={value!r}); it would read "
                              f"the weights as a plain convolution's")

@@ -129,6 +129,9 @@ class LayerSpec:
     forward without batch norm or with layer norm, and the input gradient of those. Batch
     norm's training statistics and the parameter gradients sum over the batch: they stay
     deterministic, not invariant. Reference backend only for now.
+    `bn_affine=False`: the norm has no gamma and beta (PyTorch's `affine=False`);
+    `bn_track_running_stats=False`: batch norm keeps no running statistics and normalises
+    with the batch's in evaluation too (PyTorch's `track_running_stats=False`).
     `negative_slope` (LeakyReLU's, as PyTorch's) and `elu_alpha` (ELU's `alpha`) are the
     parameters of those two activations; another activation refuses a value other than
     the default.
@@ -150,6 +153,8 @@ class LayerSpec:
     normalization: Normalization | str = Normalization.NONE
     bn_momentum: float = 0.1
     bn_epsilon: float = 1e-5
+    bn_affine: bool = True
+    bn_track_running_stats: bool = True
     dtype: DType | str = DType.FLOAT32
     bias: bool = True
     bn_running_var: RunningVariance | str = RunningVariance.BIASED
@@ -235,9 +240,14 @@ class LayerSpec:
                 raise ValueError(f"LayerSpec.{name}: only activation={act.value!r} takes it, got {name}={v!r} "
                                  f"with activation={self.activation.value!r}")
             set_(self, name, float(v))
-        for name in ("bias", "batch_invariant"):
+        for name in ("bias", "batch_invariant", "bn_affine", "bn_track_running_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LayerSpec.{name}: expected a bool, got {getattr(self, name)!r}")
+        if not self.bn_affine and self.normalization is Normalization.NONE:
+            raise ValueError("LayerSpec.bn_affine: False means a norm without gamma and beta; this layer has no norm")
+        if not self.bn_track_running_stats and self.normalization is not Normalization.BATCH_NORM:
+            raise ValueError(f"LayerSpec.bn_track_running_stats: only batch norm keeps running statistics, got "
+                             f"normalization={self.normalization.value!r}")
 
     def _check_sizes(self) -> None:
         # A spec whose arrays cannot exist fails here, naming the field, rather than in an
@@ -321,9 +331,10 @@ class LayerSpec:
 
     def batch_statistics(self, training: bool) -> bool:
         """Whether the norm normalises with statistics of the values it is given: layer norm
-        always, batch norm in training (else with its running ones); False without a norm."""
+        always, batch norm in training or without running statistics (else with its running
+        ones); False without a norm."""
         return self.normalization is Normalization.LAYER_NORM or (
-            self.normalization is Normalization.BATCH_NORM and training)
+            self.normalization is Normalization.BATCH_NORM and (training or not self.bn_track_running_stats))
 
     def running_var_scale(self, count: int) -> float:
         """The factor of the biased batch variance over `count` values that the running

@@ -15,17 +15,17 @@ def state_layout(spec: LayerSpec) -> dict[str, tuple[tuple[int, ...], np.dtype]]
     """name -> (shape, dtype) of every state entry the spec's layer has.
 
     weights (OC, KH, KW, IC) and, unless `bias=False`, bias (OC,) in the storage dtype; with
-    a norm, gamma and beta (OC,) in the compute dtype; with batch norm, running_mean and
-    running_var too.
+    a norm, gamma and beta (OC,) in the compute dtype (unless bn_affine=False); with batch
+    norm, running_mean and running_var too (unless bn_track_running_stats=False).
     """
     st, ct, oc = storage_dtype(spec.dtype), compute_dtype(spec.dtype), spec.out_channels
     layout = {"weights": (spec.weight_shape, st)}
     if spec.bias:
         layout["bias"] = ((oc,), st)
-    if spec.normalization is not Normalization.NONE:
+    if spec.normalization is not Normalization.NONE and spec.bn_affine:
         layout["gamma"] = ((oc,), ct)
         layout["beta"] = ((oc,), ct)
-    if spec.normalization is Normalization.BATCH_NORM:
+    if spec.normalization is Normalization.BATCH_NORM and spec.bn_track_running_stats:
         layout["running_mean"] = ((oc,), ct)
         layout["running_var"] = ((oc,), ct)
     return layout

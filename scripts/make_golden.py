@@ -59,6 +59,9 @@ GOLDEN = {
     "sigmoid_circular_same_k2": (dict(batch_size=2, in_height=5, in_width=6, in_channels=2, out_channels=3, kernel=2, padding="same", padding_mode="circular", activation="sigmoid", normalization="batch_norm"), 1.0, 29),
     "identity_asymmetric": (dict(batch_size=2, in_height=6, in_width=6, in_channels=3, out_channels=2, kernel=3, padding=((0, 2), (1, 0)), activation="identity"), 1.0, 30),
     "relu6_same_odd_rect": (dict(batch_size=2, in_height=7, in_width=8, in_channels=2, out_channels=3, kernel=(5, 3), padding="same", activation="relu6", normalization="layer_norm"), 3.0, 31),
+    "tanh_bn_no_affine": (dict(batch_size=3, in_height=6, in_width=5, in_channels=2, out_channels=4, kernel=3, padding=1, activation="tanh", normalization="batch_norm", bn_affine=False), 1.0, 32),
+    "gelu_bn_no_running_stats": (dict(batch_size=4, in_height=5, in_width=6, in_channels=3, out_channels=3, kernel=3, padding=1, activation="gelu", normalization="batch_norm", bn_track_running_stats=False), 1.0, 33),
+    "sigmoid_ln_no_affine": (dict(batch_size=2, in_height=6, in_width=6, in_channels=3, out_channels=4, kernel=3, stride=2, padding=1, activation="sigmoid", normalization="layer_norm", bn_affine=False), 1.0, 34),
 }
 
 

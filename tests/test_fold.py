@@ -34,6 +34,20 @@ def test_only_batch_norm_folds(norm):
         make_layer(small_layer_spec(normalization=norm)).fold_batch_norm()
 
 
+def test_batch_norm_without_running_statistics_does_not_fold():
+    with pytest.raises(ValueError, match="keeps no running statistics"):
+        make_layer(small_layer_spec(bn_track_running_stats=False)).fold_batch_norm()
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_batch_norm_without_gamma_and_beta_folds_as_gamma_one_beta_zero(dtype):
+    exact = make_layer(small_layer_spec(bn_affine=False, dtype="float64"), seed=2)
+    layer = make_layer(small_layer_spec(bn_affine=False, dtype=dtype), seed=2)
+    x, _ = random_inputs(layer.spec)
+    want = exact.evaluate(np.asarray(x, np.float64))
+    assert relative_error(layer.fold_batch_norm().evaluate(x), want) <= tolerance(DType(dtype), layer.spec.fan_in)
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 def test_a_folded_module_gives_the_modules_eval_output_within_the_tolerance(dtype):
     torch = pytest.importorskip("torch")

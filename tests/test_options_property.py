@@ -39,6 +39,10 @@ def specs(draw):
     else:
         fields["padding"] = draw(st.integers(0, 2)) if padding == "int" else (draw(st.integers(0, 2)),
                                                                                   draw(st.integers(0, 2)))
+    if fields["normalization"] != "none":
+        fields["bn_affine"] = draw(st.booleans())
+    if fields["normalization"] == "batch_norm":
+        fields["bn_track_running_stats"] = draw(st.booleans())
     if fields["activation"] == "leaky_relu":
         fields["negative_slope"] = draw(st.floats(-0.5, 0.5))
     if fields["activation"] == "elu":
@@ -52,7 +56,7 @@ def specs(draw):
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.filter_too_much])
 @given(spec=specs(), training=st.booleans())
 def test_random_option_combinations_match_pytorch_in_float64(spec, training):
-    if spec.normalization.value == "batch_norm" and training:
+    if spec.batch_statistics(training) and spec.normalization.value == "batch_norm":
         assume(spec.batch_size * spec.out_height * spec.out_width > 1)  # a variance needs two values
     layer = make_layer(spec, seed=1)
     x, d_y = random_inputs(spec, seed=2)

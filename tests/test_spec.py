@@ -127,3 +127,18 @@ def test_dilation_spreads_the_kernel_in_the_output_size_and_the_fit():
 def test_grouped_weights_have_in_channels_over_groups():
     spec = LayerSpec(in_height=6, in_width=6, in_channels=4, out_channels=8, kernel=3, groups=4)
     assert spec.weight_shape == (8, 3, 3, 1) and spec.fan_in == 9
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(bn_affine=False), "LayerSpec.bn_affine: False means a norm without gamma and beta; this layer has no norm"),
+    (dict(normalization="layer_norm", bn_track_running_stats=False),
+     "LayerSpec.bn_track_running_stats: only batch norm keeps running statistics")])
+def test_norm_options_are_refused_where_there_is_nothing_to_apply_them_to(fields, message):
+    with pytest.raises(ValueError, match=message):
+        LayerSpec(in_height=4, in_width=4, in_channels=1, out_channels=1, **fields)
+
+
+def test_batch_norm_without_running_statistics_uses_the_batchs_in_evaluation():
+    spec = LayerSpec(in_height=4, in_width=4, in_channels=1, out_channels=1, normalization="batch_norm",
+                     bn_track_running_stats=False)
+    assert spec.batch_statistics(training=False)

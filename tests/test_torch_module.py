@@ -401,3 +401,24 @@ def test_padding_strings_and_modes_match_pytorchs_conv(kernel, options, norm):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     for k in want[2]:
         torch.testing.assert_close(got[2][k], want[2][k], rtol=1e-10, atol=1e-12, msg=k)
+
+
+@pytest.mark.parametrize("norm, options", [
+    ("batch_norm", dict(affine=False)), ("batch_norm", dict(track_running_stats=False)),
+    ("batch_norm", dict(affine=False, track_running_stats=False)), ("layer_norm", dict(affine=False))])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_norm_options_match_pytorchs_norms(norm, options, training):
+    torch.manual_seed(0)
+    ours = Conv2dNormActivation(3, 5, 3, padding=1, norm=norm, activation="gelu", dtype=torch.float64, **options)
+    theirs = reference_sequential(ours)
+    assert sorted(ours.state_dict()) == sorted(theirs.state_dict())
+    ours.train(training), theirs.train(training)
+    x = channels_last((4, 3, 7, 6))
+    d_y = channels_last((4, 5, 7, 6), seed=2)
+    got, want = run(ours, x, d_y), run(theirs, x, d_y)
+    for a, b in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for k in want[2]:
+        torch.testing.assert_close(got[2][k], want[2][k], rtol=1e-10, atol=1e-12, msg=k)
+    for k, v in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[k], v, msg=k)

@@ -120,6 +120,14 @@ def _statistics(spec: LayerSpec, z: np.ndarray, training: bool,
     return mean, norm.inverse_std(running["running_var"].astype(z.dtype), spec.bn_epsilon), False
 
 
+def _with_identity_affine(spec: LayerSpec, params: dict) -> dict:
+    """`params` with gamma = 1 and beta = 0 for a norm without them (bn_affine=False)."""
+    if spec.normalization is Normalization.NONE or spec.bn_affine:
+        return params
+    ct = compute_dtype(spec.dtype)
+    return {**params, "gamma": np.ones(spec.out_channels, ct), "beta": np.zeros(spec.out_channels, ct)}
+
+
 def _activation_input(spec: LayerSpec, params: dict, z: np.ndarray, mean: np.ndarray | None,
                       inv_std: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
     """(a, x_hat): a = gamma * x_hat + beta with a norm, a = z without one."""
@@ -148,8 +156,9 @@ def forward(spec: LayerSpec, params: Mapping[str, Any], x: Any, training: bool,
         raise TypeError(f"training: expected a bool, got {training!r}")
     x, lib, call = check_input(spec, "x", x)
     st = storage_dtype(spec.dtype)
-    need_running = spec.normalization is Normalization.BATCH_NORM and not training
+    need_running = spec.normalization is Normalization.BATCH_NORM and not spec.batch_statistics(training)
     params, running = check_params(spec, params, running, need_running)
+    params = _with_identity_affine(spec, params)
     if running is not None and training and spec.normalization is Normalization.BATCH_NORM:
         for k, a in running.items():  # both, before either is updated
             if not a.flags.writeable:
@@ -208,6 +217,7 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
     d_y, lib = host_view("d_y", d_y)
     check_numpy("d_y", d_y, call.output_shape, st)
     params, _ = check_params(spec, params, None, False)
+    params = _with_identity_affine(spec, params)
     acc = None
     if want_params and accumulate is not None:
         acc, _ = check_params(spec, {k: accumulate.get(k) for k in grad_layout(spec)}, None, False)
@@ -234,7 +244,8 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
         layout = grad_layout(spec)
         return {k: to_library(new[k].astype(layout[k][1]), lib) for k in layout}, d_x
     for k, g in new.items():
-        acc[k][...] = (acc[k].astype(ct, copy=False) + g).astype(acc[k].dtype, copy=False)
+        if k in acc:  # gamma and beta are absent without an affine norm
+            acc[k][...] = (acc[k].astype(ct, copy=False) + g).astype(acc[k].dtype, copy=False)
     return accumulate, d_x
 
 

@@ -77,7 +77,7 @@ def conditioning_scales(spec: LayerSpec, state: dict[str, np.ndarray], x: np.nda
     from conv2d.reference import norm
 
     z = saved.pre
-    gamma, inv_std = params["gamma"], saved.inv_std
+    gamma, inv_std = params.get("gamma", np.ones(spec.out_channels)), saved.inv_std
     scale_z = np.abs(z).max(axis=axes)  # per group, as inv_std
     if spec.normalization is Normalization.BATCH_NORM:
         y_scale = float((np.abs(gamma) * inv_std * scale_z).max())
@@ -86,7 +86,7 @@ def conditioning_scales(spec: LayerSpec, state: dict[str, np.ndarray], x: np.nda
     out = {"y": y_scale}
     if saved.batch_stats:
         x_hat = norm.normalize(z, saved.mean, inv_std, axes)
-        a = norm.affine(x_hat, gamma, params["beta"])
+        a = norm.affine(x_hat, gamma, params.get("beta", np.zeros(spec.out_channels)))
         g = np.abs(activations.derivative(spec.activation, a, spec.activation_parameter) * dy64 * gamma)
         terms = g + g.mean(axis=axes, keepdims=True) + np.abs(x_hat) * (g * np.abs(x_hat)).mean(axis=axes,
                                                                                                keepdims=True)

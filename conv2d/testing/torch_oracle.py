@@ -85,10 +85,14 @@ def run(spec: LayerSpec, state: dict[str, np.ndarray], x: np.ndarray, d_y: np.nd
     if norm == "none":
         a = z
     else:
-        gamma = t(state["gamma"]).requires_grad_(True)
-        beta = t(state["beta"]).requires_grad_(True)
-        params.update(gamma=gamma, beta=beta)
-        if norm == "batch_norm":
+        gamma = beta = None
+        if spec.bn_affine:
+            gamma = t(state["gamma"]).requires_grad_(True)
+            beta = t(state["beta"]).requires_grad_(True)
+            params.update(gamma=gamma, beta=beta)
+        if norm == "batch_norm" and not spec.bn_track_running_stats:
+            a = F.batch_norm(z, None, None, gamma, beta, training=True, eps=spec.bn_epsilon)
+        elif norm == "batch_norm":
             rm, rv = t(state["running_mean"]), t(state["running_var"])
             a = F.batch_norm(z, rm.clone(), rv.clone(), gamma, beta, training=training,
                              momentum=spec.bn_momentum, eps=spec.bn_epsilon)
@@ -103,7 +107,9 @@ def run(spec: LayerSpec, state: dict[str, np.ndarray], x: np.ndarray, d_y: np.nd
             out["running_mean"], out["running_var"] = rm.numpy(), rv.numpy()
         else:  # layer norm: per sample over (OH, OW, OC), gamma/beta per channel
             zn = z.permute(0, 2, 3, 1)
-            a = F.layer_norm(zn, zn.shape[1:], eps=spec.bn_epsilon) * gamma + beta
+            a = F.layer_norm(zn, zn.shape[1:], eps=spec.bn_epsilon)
+            if gamma is not None:
+                a = a * gamma + beta
             a = a.permute(0, 3, 1, 2)
     y = _activation(spec.activation.value, a, spec.activation_parameter)
     y.backward(t(d_y).permute(0, 3, 1, 2))

@@ -67,11 +67,15 @@ class _NormParameters(nn.Module):
     """Layer norm's gamma and beta, as nn.GroupNorm(1, C) names them ("weight", "bias"), in
     the compute dtype: float64 in a float64 module, else float32."""
 
-    def __init__(self, channels: int, device: Any, dtype: Any) -> None:
+    def __init__(self, channels: int, device: Any, dtype: Any, affine: bool = True) -> None:
         super().__init__()
         dtype = torch.float32 if dtype in _SIXTEEN else dtype
-        self.weight = nn.Parameter(torch.ones(channels, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(channels, device=device, dtype=dtype))
+        if affine:
+            self.weight = nn.Parameter(torch.ones(channels, device=device, dtype=dtype))
+            self.bias = nn.Parameter(torch.zeros(channels, device=device, dtype=dtype))
+        else:  # nn.GroupNorm(affine=False): no parameters
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "_NormParameters":
         return super()._apply(_keep_float32(fn), recurse)
@@ -83,9 +87,10 @@ class _BatchNormParameters(nn.BatchNorm2d):
     code that looks for BatchNorm2d layers does to them), kept in float32 in a 16-bit
     module; the module computes with them, this one's forward is never called."""
 
-    def __init__(self, channels: int, eps: float, momentum: float, device: Any, dtype: Any) -> None:
-        super().__init__(channels, eps=eps, momentum=momentum, device=device,
-                         dtype=torch.float32 if dtype in _SIXTEEN else dtype)
+    def __init__(self, channels: int, eps: float, momentum: float, device: Any, dtype: Any, affine: bool = True,
+                 track_running_stats: bool = True) -> None:
+        super().__init__(channels, eps=eps, momentum=momentum, affine=affine, track_running_stats=track_running_stats,
+                         device=device, dtype=torch.float32 if dtype in _SIXTEEN else dtype)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "_BatchNormParameters":
         return super()._apply(_keep_float32(fn), recurse)
@@ -123,8 +128,9 @@ class Conv2dNormActivation(nn.Module):
     refuses it with NotImplementedError at the first call).
 
     `nn.Conv2d`'s and `nn.BatchNorm2d`'s other arguments are taken by name and refused
-    unless they have their default (NotImplementedError naming the option): `affine`,
-    `track_running_stats`, `momentum=None`. `dilation`, `groups` (depthwise included),
+    unless they have their default (NotImplementedError naming the option): `momentum=None`.
+    `affine=False` and `track_running_stats=False` (batch statistics in evaluation too)
+    run on CPU tensors. `dilation`, `groups` (depthwise included),
     padding "same"/"valid" and `padding_mode` run on CPU tensors; the CUDA backend refuses
     them (NotImplementedError at the first call) for now. Any other keyword is a TypeError,
     as in PyTorch.
@@ -145,7 +151,7 @@ class Conv2dNormActivation(nn.Module):
                  cuda_graphs: bool = True, backend_options: dict[str, Any] | None = None,
                  batch_invariant: bool = False, negative_slope: float = 0.01, alpha: float = 1.0) -> None:
         super().__init__()
-        _refuse_unimplemented(affine=affine, track_running_stats=track_running_stats, momentum=momentum)
+        _refuse_unimplemented(momentum=momentum)
         backend_options = check_options("cuda", backend_options)
         if layout not in ("NCHW", "NHWC"):
             raise ValueError(f"layout: expected 'NCHW' or 'NHWC', got {layout!r}")
@@ -167,14 +173,17 @@ class Conv2dNormActivation(nn.Module):
                                dilation=dilation, groups=groups,
                                activation=activation, normalization=norm, bn_momentum=momentum, bn_epsilon=eps,
                                bias=bias, bn_running_var=running_var, dtype=_DTYPES.get(dtype, DType.FLOAT32),
+                               bn_affine=affine,
+                               bn_track_running_stats=track_running_stats,
                                batch_invariant=batch_invariant, negative_slope=negative_slope,
                                elu_alpha=alpha)
         s = self._spec
         self.add_module("0", _ConvParameters(in_channels // s.groups, out_channels, s.kernel, bias, device, dtype))
         if s.normalization is not Normalization.NONE:
-            self.add_module("1", _BatchNormParameters(out_channels, eps, momentum, device, dtype)
+            self.add_module("1", _BatchNormParameters(out_channels, eps, momentum, device, dtype, affine,
+                                                      track_running_stats)
                             if s.normalization is Normalization.BATCH_NORM else
-                            _NormParameters(out_channels, device, dtype))
+                            _NormParameters(out_channels, device, dtype, affine))
         self.backend_options = backend_options
         self._functions: dict = {}
         self._views = eager.ParameterViews()
@@ -442,8 +451,10 @@ def reference_sequential(module: Conv2dNormActivation) -> nn.Sequential:
                      groups=s.groups, bias=s.bias, padding_mode=s.padding_mode, device=w.device, dtype=w.dtype)
     layers: list[nn.Module] = [conv]
     if module.norm is not None:
-        where = dict(device=w.device, dtype=module.norm.weight.dtype)
-        layers.append(nn.BatchNorm2d(s.out_channels, eps=s.bn_epsilon, momentum=s.bn_momentum, **where)
+        norm_dtype = torch.float32 if w.dtype in _SIXTEEN else w.dtype
+        where = dict(device=w.device, dtype=norm_dtype, affine=s.bn_affine)
+        layers.append(nn.BatchNorm2d(s.out_channels, eps=s.bn_epsilon, momentum=s.bn_momentum,
+                                     track_running_stats=s.bn_track_running_stats, **where)
                       if s.normalization is Normalization.BATCH_NORM else nn.GroupNorm(1, s.out_channels,
                                                                                         eps=s.bn_epsilon, **where))
     layers.append(activation_module(s.activation, s.activation_parameter))
