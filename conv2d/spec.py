@@ -252,7 +252,6 @@ class LayerSpec:
     def _check_sizes(self) -> None:
         # A spec whose arrays cannot exist fails here, naming the field, rather than in an
         # allocation (int64 sizes, and no array of one call over MAX_ELEMENTS values).
-        kh, kw = self.kernel
         (top, bottom), (left, right) = self.pads
         sh, sw = self.stride
         arrays = {"weights (out_channels*kernel*in_channels/groups)": (math.prod(self.weight_shape),

@@ -4,13 +4,11 @@ a function of the sample alone: evaluate (any norm), the training forward withou
 norm or with layer norm, and the input gradient of those. Reference backend (CI); the
 CUDA backend refuses the option until it has it."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 import conv2d
-from conftest import make_layer, small_layer_spec
+from conftest import make_layer, random_inputs, small_layer_spec
 from conv2d import LayerSpec
 
 DTYPES = ["float64", "float32", "bfloat16", "float16"]
@@ -24,20 +22,12 @@ SHAPES = {
 BATCHES = [1, 2, 3, 7, 31, 32, 33, 255, 256]
 
 
-def invariant_spec(shape, norm, dtype):
-    return LayerSpec(batch_size=None, **SHAPES[shape], activation="gelu", normalization=norm, dtype=dtype,
+def invariant_layer(shape, norm, dtype):
+    """A layer of shape `shape` (norm parameters and running statistics away from their
+    defaults) and a pool of max(BATCHES) distinct samples and output gradients."""
+    spec = LayerSpec(batch_size=None, **SHAPES[shape], activation="gelu", normalization=norm, dtype=dtype,
                      batch_invariant=True)
-
-
-def pool(spec, n, seed=3):
-    """n distinct samples (N, H, W, C) and output gradients in the spec's storage dtype."""
-    from conv2d.dtypes import storage_dtype
-
-    rng = np.random.default_rng(seed)
-    st = storage_dtype(spec.dtype)
-    x = rng.standard_normal((n, spec.in_height, spec.in_width, spec.in_channels)).astype(st)
-    d_y = rng.standard_normal((n, spec.out_height, spec.out_width, spec.out_channels)).astype(st)
-    return x, d_y
+    return (make_layer(spec, seed=5), *random_inputs(spec.at(max(BATCHES)), seed=3))
 
 
 def assert_rows_as_alone(batched, alone_of, n, label):
@@ -48,18 +38,11 @@ def assert_rows_as_alone(batched, alone_of, n, label):
         assert np.asarray(batched)[i].tobytes() == alone.tobytes(), f"{label}: row {i} of a batch of {n}"
 
 
-def layer_for(spec):
-    # Batch norm's running statistics and the norm parameters are not the defaults.
-    return make_layer(dataclasses.replace(spec), seed=5)
-
-
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("norm", ["none", "batch_norm", "layer_norm"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_evaluate_gives_each_sample_the_bits_it_gets_alone(dtype, norm, shape):
-    spec = invariant_spec(shape, norm, dtype)
-    layer = layer_for(spec)
-    x, _ = pool(spec, max(BATCHES))
+    layer, x, _ = invariant_layer(shape, norm, dtype)
     for n in BATCHES:
         batch = np.ascontiguousarray(x[:n])
         assert_rows_as_alone(layer.evaluate(batch), lambda i: layer.evaluate(x[i:i + 1]), n, f"evaluate, {dtype}")
@@ -72,9 +55,7 @@ def test_evaluate_gives_each_sample_the_bits_it_gets_alone(dtype, norm, shape):
 @pytest.mark.parametrize("norm", ["none", "layer_norm"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_training_forward_without_batch_norm_gives_each_sample_the_bits_it_gets_alone(dtype, norm, shape):
-    spec = invariant_spec(shape, norm, dtype)
-    layer = layer_for(spec)
-    x, _ = pool(spec, max(BATCHES))
+    layer, x, _ = invariant_layer(shape, norm, dtype)
     for n in BATCHES:
         assert_rows_as_alone(layer.forward(np.ascontiguousarray(x[:n])), lambda i: layer.forward(x[i:i + 1]), n,
                              f"training forward, {dtype}")
@@ -84,9 +65,7 @@ def test_the_training_forward_without_batch_norm_gives_each_sample_the_bits_it_g
 @pytest.mark.parametrize("norm, training", [("none", True), ("layer_norm", True), ("batch_norm", False)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_input_gradient_gives_each_sample_the_bits_it_gets_alone(dtype, norm, training, shape):
-    spec = invariant_spec(shape, norm, dtype)
-    layer = layer_for(spec)
-    x, d_y = pool(spec, max(BATCHES))
+    layer, x, d_y = invariant_layer(shape, norm, dtype)
 
     def d_x(lo, hi):
         layer.forward(np.ascontiguousarray(x[lo:hi]), training=training)

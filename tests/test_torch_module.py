@@ -20,11 +20,16 @@ def module_and_sequential(norm="batch_norm", activation="relu", seed=0, **kw):
     torch.manual_seed(seed)
     options = dict(kernel_size=3, padding=1, stride=1, norm=norm, activation=activation, dtype=torch.float64)
     options.update(kw)
-    module = Conv2dNormActivation(3, 5, **options)
-    with torch.no_grad():  # norm parameters away from their initial 1 and 0
+    module = perturbed(Conv2dNormActivation(3, 5, **options))
+    return module, reference_sequential(module)
+
+
+def perturbed(module):
+    """`module` with every parameter moved (norm parameters away from their initial 1 and 0)."""
+    with torch.no_grad():
         for p in module.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    return module, reference_sequential(module)
+    return module
 
 
 def channels_last(shape, seed=1, dtype=torch.float64):
@@ -39,6 +44,15 @@ def run(model, x, d_y):
     return y.detach(), x.grad, {k: p.grad for k, p in model.named_parameters()}
 
 
+def assert_same_step(ours, theirs, x, d_y):
+    """One forward and backward of each: y, d_x and every parameter gradient agree (float64)."""
+    got, want = run(ours, x, d_y), run(theirs, x, d_y)
+    for a, b in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for k in want[2]:
+        torch.testing.assert_close(got[2][k], want[2][k], rtol=1e-10, atol=1e-12, msg=k)
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("activation", TORCH_ACTIVATIONS)
@@ -46,13 +60,7 @@ def test_the_module_matches_the_sequential_it_replaces(activation, norm, trainin
     ours, theirs = module_and_sequential(norm, activation)
     ours.train(training)
     theirs.train(training)
-    x = channels_last((4, 3, 7, 6))
-    d_y = channels_last((4, 5, 7, 6), seed=2)
-    got, want = run(ours, x, d_y), run(theirs, x, d_y)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(got[1], want[1], rtol=1e-10, atol=1e-12)
-    for k in want[2]:
-        torch.testing.assert_close(got[2][k], want[2][k], rtol=1e-10, atol=1e-12, msg=k)
+    assert_same_step(ours, theirs, channels_last((4, 3, 7, 6)), channels_last((4, 5, 7, 6), seed=2))
     for k, v in theirs.state_dict().items():  # running statistics, PyTorch's unbiased rule
         torch.testing.assert_close(ours.state_dict()[k], v, rtol=1e-12, atol=1e-14, msg=k)
 
@@ -364,21 +372,12 @@ def test_distributed_data_parallel_over_gloo_equals_one_process_on_the_whole_bat
 @pytest.mark.parametrize("norm", NORMS)
 def test_groups_and_dilation_match_pytorchs_conv(channels, options, norm):
     torch.manual_seed(0)
-    ours = Conv2dNormActivation(*channels, 3, padding=1, norm=norm, activation="gelu", dtype=torch.float64,
-                                **options)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    ours = perturbed(Conv2dNormActivation(*channels, 3, padding=1, norm=norm, activation="gelu",
+                                          dtype=torch.float64, **options))
     theirs = reference_sequential(ours)
     assert theirs[0].groups == ours._spec.groups and ours.conv.weight.shape == theirs[0].weight.shape
     x = channels_last((3, channels[0], 9, 8))
-    y_shape = theirs(x).shape
-    d_y = channels_last(tuple(y_shape), seed=2)
-    got, want = run(ours, x, d_y), run(theirs, x, d_y)
-    for a, b in zip(got[:2], want[:2]):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    for k in want[2]:
-        torch.testing.assert_close(got[2][k], want[2][k], rtol=1e-10, atol=1e-12, msg=k)
+    assert_same_step(ours, theirs, x, channels_last(tuple(theirs(x).shape), seed=2))
 
 
 @pytest.mark.parametrize("kernel, options", [
@@ -389,18 +388,11 @@ def test_groups_and_dilation_match_pytorchs_conv(channels, options, norm):
 @pytest.mark.parametrize("norm", NORMS)
 def test_padding_strings_and_modes_match_pytorchs_conv(kernel, options, norm):
     torch.manual_seed(0)
-    ours = Conv2dNormActivation(3, 5, kernel, norm=norm, activation="tanh", dtype=torch.float64, **options)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    ours = perturbed(Conv2dNormActivation(3, 5, kernel, norm=norm, activation="tanh", dtype=torch.float64,
+                                          **options))
     theirs = reference_sequential(ours)
     x = channels_last((3, 3, 9, 8))
-    d_y = channels_last(tuple(theirs(x).shape), seed=2)
-    got, want = run(ours, x, d_y), run(theirs, x, d_y)
-    for a, b in zip(got[:2], want[:2]):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    for k in want[2]:
-        torch.testing.assert_close(got[2][k], want[2][k], rtol=1e-10, atol=1e-12, msg=k)
+    assert_same_step(ours, theirs, x, channels_last(tuple(theirs(x).shape), seed=2))
 
 
 @pytest.mark.parametrize("norm, options", [
@@ -413,12 +405,6 @@ def test_norm_options_match_pytorchs_norms(norm, options, training):
     theirs = reference_sequential(ours)
     assert sorted(ours.state_dict()) == sorted(theirs.state_dict())
     ours.train(training), theirs.train(training)
-    x = channels_last((4, 3, 7, 6))
-    d_y = channels_last((4, 5, 7, 6), seed=2)
-    got, want = run(ours, x, d_y), run(theirs, x, d_y)
-    for a, b in zip(got[:2], want[:2]):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    for k in want[2]:
-        torch.testing.assert_close(got[2][k], want[2][k], rtol=1e-10, atol=1e-12, msg=k)
+    assert_same_step(ours, theirs, channels_last((4, 3, 7, 6)), channels_last((4, 5, 7, 6), seed=2))
     for k, v in theirs.state_dict().items():
         torch.testing.assert_close(ours.state_dict()[k], v, msg=k)

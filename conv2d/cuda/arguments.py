@@ -42,8 +42,8 @@ class Arguments:
                                   self._allocate), lib
 
     def d_y(self, d_y: Any, call: LayerSpec) -> Any:
-        """The device array of d_y (N, OH, OW, OC) for a forward of `call`'s shape."""
-        self.refuse_host("d_y", library(d_y))
+        """The device array of d_y (N, OH, OW, OC) for a forward of `call`'s shape (the
+        caller has refused a host d_y of a frozen layer first, before its other checks)."""
         return device_input(self.cuda, "d_y", d_y, call.output_shape, self.spec.dtype, self.stream, self._allocate)
 
     def refuse_host(self, name: str, lib: str | None) -> None:

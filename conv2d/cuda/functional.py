@@ -143,7 +143,7 @@ class Functions:
             spec, cuda, fast, K.kernel_set(*kinds, False, launch_config, parameter) if self.lanes > 1 else fast,
             simple.simple_set(spec.dtype.value, spec.activation, parameter) if kernels == "simple" else None,
             simple.simple_set("float32", spec.activation, parameter) if kernels == "simple" else None,
-            self._dummy, Launcher(current, fast_paths), launch_config, self.lanes)
+            self._dummy, Launcher(current, fast_paths))
         self._allocator = OutputAllocator(cuda, own)
         self._outputs = Outputs(spec, cuda, self._allocator, current)
         simple_kernels = kernels == "simple"

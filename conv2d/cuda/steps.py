@@ -39,7 +39,7 @@ class Kernels:
     """What the steps launch with, for one layer: its spec, the fast kernel sets (wide
     loads, and `narrow` for d_y that is not 8-byte aligned: the same sums, one load a
     value), or the simple sets; the one-element dummy array that stands for arrays a
-    kernel does not use; the launcher; the launch settings."""
+    kernel does not use; the launcher."""
 
     spec: LayerSpec
     cuda: Any
@@ -49,8 +49,6 @@ class Kernels:
     simple32: Any
     dummy: Any
     launch: Launcher
-    config: K.LaunchConfig
-    lanes: int
 
     def norm_params(self, p: dict) -> dict[str, Any]:
         return {"gamma": p.get("gamma", self.dummy), "beta": p.get("beta", self.dummy)}

@@ -268,16 +268,14 @@ class Conv2dNormActivation(nn.Module):
         "none". Its output agrees with this module's eval output within the dtype's
         tolerance, not bitwise. ValueError for a module without batch norm."""
         from conv2d.fold import folded_state
+        from conv2d.torch_layout import state_from_torch, weights_to_torch
 
-        norm = self.norm
         spec = dataclasses.replace(self._spec, dtype=DType.FLOAT64,
-                                   bn_epsilon=getattr(norm, "eps", self._spec.bn_epsilon))
+                                   bn_epsilon=getattr(self.norm, "eps", self._spec.bn_epsilon))
         weight = self.conv.weight
-        state = {k: t.detach().to("cpu", torch.float64).numpy()
-                 for k, t in (("weights", weight.permute(0, 2, 3, 1)), ("bias", self.conv.bias),
-                              ("gamma", getattr(norm, "weight", None)), ("beta", getattr(norm, "bias", None)),
-                              ("running_mean", getattr(norm, "running_mean", None)),
-                              ("running_var", getattr(norm, "running_var", None))) if t is not None}
+        # The module's state_dict has the Sequential's keys ("0." the conv, "1." the norm).
+        state = state_from_torch({k: v.detach().to("cpu", torch.float64) for k, v in self.state_dict().items()},
+                                 conv="0", norm="1")
         folded = folded_state(spec, state)  # raises without batch norm
         s = self._spec
         other = Conv2dNormActivation(s.in_channels, s.out_channels, s.kernel, s.stride, self._padding, s.dilation,
@@ -287,7 +285,7 @@ class Conv2dNormActivation(nn.Module):
                                      dtype=weight.dtype, layout=self.layout, cuda_graphs=self.cuda_graphs,
                                      backend_options=self.backend_options, batch_invariant=s.batch_invariant)
         with torch.no_grad():
-            other.conv.weight.copy_(torch.from_numpy(folded["weights"]).permute(0, 3, 1, 2))
+            other.conv.weight.copy_(torch.from_numpy(weights_to_torch(folded["weights"])))
             other.conv.bias.copy_(torch.from_numpy(folded["bias"]))
         return other.eval()
 
