@@ -142,3 +142,17 @@ def test_batch_norm_without_running_statistics_uses_the_batchs_in_evaluation():
     spec = LayerSpec(in_height=4, in_width=4, in_channels=1, out_channels=1, normalization="batch_norm",
                      bn_track_running_stats=False)
     assert spec.batch_statistics(training=False)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(padding="full"), r"LayerSpec.padding: expected an int, a pair, 'same', 'valid' or \(\(top, bottom\)"),
+    (dict(padding="same", stride=2), "LayerSpec.padding: 'same' needs stride 1"),
+    (dict(padding="same", padding_end=1), "LayerSpec.padding_end: given beside padding='same'"),
+    (dict(padding=((1, -1), (0, 0))), "LayerSpec.padding_end: expected every entry >= 0"),
+    (dict(padding=1, padding_mode="mirror"), "LayerSpec.padding_mode: expected one of"),
+    (dict(padding=4, padding_mode="reflect"), "padding_mode='reflect' needs padding < the input's height 4"),
+    (dict(padding=5, padding_mode="circular"), "padding_mode='circular' needs padding <= the input's height 4"),
+    (dict(dilation=0), "LayerSpec.dilation: expected every entry >= 1")])
+def test_bad_padding_and_dilation_are_refused_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        LayerSpec(in_height=4, in_width=4, in_channels=1, out_channels=1, **fields)
