@@ -143,15 +143,6 @@ def not_taken(name: str, spec: LayerSpec) -> str | None:
     failing. The backend raises NotImplementedError with the same words."""
     if name != "cuda":
         return None
-    if not spec.plain_padding:
-        return (f"padding {spec.pads} with padding_mode={spec.padding_mode!r}: the CUDA backend takes symmetric zero "
-                f"padding for now; the reference backend takes this")
-    if spec.groups != 1 or spec.dilation != (1, 1):
-        return (f"groups={spec.groups}, dilation={spec.dilation}: the CUDA backend takes groups=1 and dilation=1 "
-                f"for now; the reference backend takes both")
-    if not (spec.bn_affine and spec.bn_track_running_stats):
-        return ("bn_affine=False or bn_track_running_stats=False: the CUDA backend's norm takes gamma, beta and "
-                "running statistics for now; the reference backend takes both")
     if spec.batch_invariant:
         return ("batch_invariant: the CUDA backend does not give batch-invariant results yet (cuDNN's plans and "
                 "the kernels' partitions are chosen per batch size); the reference backend does, or use "

@@ -111,12 +111,10 @@ class LayerSpec:
     `padding`). `padding` may also be "valid" (none), "same" (PyTorch's rule: the output
     keeps the input's size at stride 1, the odd extra row or column at the bottom/right)
     or ((top, bottom), (left, right)); either way both fields are stored as the pairs.
-    `padding_mode`: "zeros", "reflect", "replicate" or "circular", as PyTorch's. The CUDA
-    backend takes symmetric zero padding only, for now.
+    `padding_mode`: "zeros", "reflect", "replicate" or "circular", as PyTorch's.
     `dilation` (an int or pair, as PyTorch's) spaces the kernel's taps; `groups` splits the
     channels into that many independent convolutions (PyTorch's; `groups == in_channels`
-    is depthwise), the weights then `(OC, KH, KW, IC / groups)`. The CUDA backend takes
-    neither yet.
+    is depthwise), the weights then `(OC, KH, KW, IC / groups)`.
 
     `batch_size` is the batch a layer plans for (the CUDA backend builds its cuDNN plans
     for it at construction, and `capture` records at it), or None for none: every call

@@ -146,7 +146,8 @@ def torch_sequential(spec):
     """PyTorch's Conv2d (+ BatchNorm2d) + ReLU for `spec`, channels_last, in the spec's dtype."""
     import torch
 
-    layers = [torch.nn.Conv2d(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding)]
+    layers = [torch.nn.Conv2d(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding,
+                              dilation=spec.dilation, groups=spec.groups)]
     if spec.normalization.value == "batch_norm":
         layers.append(torch.nn.BatchNorm2d(spec.out_channels, eps=spec.bn_epsilon, momentum=spec.bn_momentum))
     layers.append(torch.nn.ReLU())
@@ -180,7 +181,7 @@ def our_module(spec, cuda_graphs: bool = True):
     from conv2d.torch import Conv2dNormActivation
 
     return Conv2dNormActivation(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding,
-                                norm=spec.normalization.value, activation="relu", eps=spec.bn_epsilon,
+                                dilation=spec.dilation, groups=spec.groups, norm=spec.normalization.value, activation="relu", eps=spec.bn_epsilon,
                                 momentum=spec.bn_momentum, device="cuda",
                                 cuda_graphs=cuda_graphs).to(torch_dtype(spec)).train()
 

@@ -24,14 +24,21 @@ SHAPES = {
     "rl_small": (64, 32, 32, 16, 32, 3, 1, 1),
     "resnet_56": (128, 56, 56, 64, 64, 3, 1, 1),
     "resnet_28": (256, 28, 28, 128, 128, 3, 1, 1),
+    # PyTorch's options (BENCH.md's "More layer shapes"): MobileNetV2's depthwise and
+    # pointwise layers, a dilated one.
+    "mbv2_depthwise": (128, 56, 56, 144, 144, 3, 1, 1),
+    "mbv2_pointwise": (128, 56, 56, 144, 24, 1, 1, 0),
+    "dilated": (16, 64, 64, 256, 256, 3, 1, 2),
 }
+# name -> LayerSpec options beyond SHAPES' columns
+OPTIONS = {"mbv2_depthwise": {"groups": 144}, "dilated": {"dilation": 2}}
 
 
 def bench_spec(name: str, batch_norm: bool, dtype: str, batch_size: int | None = None) -> LayerSpec:
     n, h, w, c, oc, k, s, p = SHAPES[name]
     return LayerSpec(batch_size=batch_size or n, in_height=h, in_width=w, in_channels=c, out_channels=oc,
                      kernel=k, stride=s, padding=p, activation="relu",
-                     normalization="batch_norm" if batch_norm else "none", dtype=dtype)
+                     normalization="batch_norm" if batch_norm else "none", dtype=dtype, **OPTIONS.get(name, {}))
 
 
 def one_spec_arguments(ap) -> None:
@@ -49,7 +56,8 @@ def spec_of(args) -> LayerSpec:
 def flops(spec: LayerSpec) -> dict[str, float]:
     """Multiply-adds x 2 of the three convolutions of a step."""
     kh, kw = spec.kernel
-    conv = 2.0 * spec.batch_size * spec.out_height * spec.out_width * spec.out_channels * kh * kw * spec.in_channels
+    conv = (2.0 * spec.batch_size * spec.out_height * spec.out_width * spec.out_channels * kh * kw
+            * (spec.in_channels // spec.groups))
     return {"forward": conv, "step": 3 * conv}
 
 

@@ -784,44 +784,114 @@ def test_a_capture_after_other_batch_sizes_replays_at_the_planned_one():
 
 
 # The PyTorch module on the GPU ----------------------------------------------------------------
-def _module_pair(torch, norm, dtype):
+def _module_pair(torch, norm, dtype, channels=(5, 6), **options):
     from conv2d.torch import Conv2dNormActivation, reference_sequential
 
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
-    ours = Conv2dNormActivation(5, 6, 3, padding=1, norm=norm, activation="gelu", device="cuda")
+    options = {"kernel_size": 3, "padding": 1, "activation": "gelu", **options}
+    ours = Conv2dNormActivation(*channels, norm=norm, device="cuda", **options)
     theirs = reference_sequential(ours)
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     return ours.to(tdt), theirs.to(tdt), tdt
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("norm", NORMS)
-def test_the_module_on_the_gpu_is_as_accurate_as_pytorch_in_the_same_dtype(norm, dtype):
+def _assert_as_accurate_as_pytorch(torch, ours, theirs, tdt, in_shape, training=True):
     """Output, input gradient and every parameter gradient of the module and of PyTorch's
-    own layers in `dtype`, each against PyTorch in float64 on the same (rounded) inputs and
+    own layers in `tdt`, each against PyTorch in float64 on the same (rounded) inputs and
     weights: ours may be off by the dtype tolerance or by twice PyTorch's own error,
     whichever is larger (in bfloat16 the conv bias gradient under batch norm is a sum that
     cancels to zero, and PyTorch's rounding of it reaches 0.08)."""
-    torch = pytest.importorskip("torch", reason="torch is not installed")
-    ours, theirs, tdt = _module_pair(torch, norm, dtype)
     truth = copy.deepcopy(theirs).double()
-    if norm == "batch_norm":
+    if len(theirs) > 1 and isinstance(theirs[1], torch.nn.BatchNorm2d):
         theirs[1].float()  # the type policy's float32 norm, as ours
+    for model in (ours, theirs, truth):
+        model.train(training)
     g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(4, 5, 12, 10, device="cuda", generator=g).to(tdt, memory_format=torch.channels_last)
-    d_y = torch.randn(4, 6, 12, 10, device="cuda", generator=g).to(tdt, memory_format=torch.channels_last)
+    x = torch.randn(*in_shape, device="cuda", generator=g).to(tdt, memory_format=torch.channels_last)
+    d_y = torch.randn(*theirs(x).shape, device="cuda", generator=g).to(tdt, memory_format=torch.channels_last)
     results = []
     for model in (ours, theirs, truth):
         xr = x.detach().clone().to(torch.float64 if model is truth else tdt).requires_grad_(True)
         y = model(xr)
         y.backward(d_y.to(y.dtype))
         results.append([y.double(), xr.grad.double(), *(p.grad.double() for p in model.parameters())])
-    tol = 2e-2 if dtype == "bfloat16" else 2e-4
+    tol = 2e-2 if tdt == torch.bfloat16 else 2e-4
     names = ["y", "d_x", *(name for name, _ in ours.named_parameters())]
+    assert len(results[0]) == len(results[2])
     for name, a, b, t in zip(names, *results):
         allowed = max(tol * max(1.0, t.abs().max().item()), 2 * (b - t).abs().max().item())
         assert (a - t).abs().max().item() <= allowed, name
+    states = [m.state_dict() for m in (ours, theirs, truth)]
+    assert sorted(states[0]) == sorted(states[1])
+    for name, t in states[2].items():  # the running statistics and the batch count
+        a, b = states[0][name].double(), states[1][name].double()
+        allowed = max(1e-5 * max(1.0, t.abs().max().item()), 2 * (b - t.double()).abs().max().item())
+        assert (a - t.double()).abs().max().item() <= allowed, name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_the_module_on_the_gpu_is_as_accurate_as_pytorch_in_the_same_dtype(norm, dtype):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    ours, theirs, tdt = _module_pair(torch, norm, dtype)
+    _assert_as_accurate_as_pytorch(torch, ours, theirs, tdt, (4, 5, 12, 10))
+
+
+# PyTorch's convolution options (issue 37): (channels, module options, norm).
+GPU_OPTIONS = {
+    "groups2": ((4, 6), dict(groups=2), "batch_norm"),
+    "depthwise": ((8, 8), dict(groups=8), "batch_norm"),
+    "depthwise_x2": ((4, 8), dict(groups=4), "none"),
+    "dilation2": ((5, 6), dict(dilation=2, padding=2), "layer_norm"),
+    "dilation_groups_stride": ((4, 6), dict(dilation=(1, 2), groups=2, stride=2), "none"),
+    "same_even": ((5, 6), dict(kernel_size=4, padding="same"), "batch_norm"),
+    "valid": ((5, 6), dict(padding="valid"), "none"),
+    "reflect": ((5, 6), dict(padding_mode="reflect"), "batch_norm"),
+    "replicate_pair": ((5, 6), dict(padding=(2, 1), padding_mode="replicate"), "layer_norm"),
+    "same_circular": ((5, 6), dict(kernel_size=4, padding="same", padding_mode="circular"), "none"),
+    "bn_no_affine": ((5, 6), dict(affine=False), "batch_norm"),
+    "bn_no_running_stats": ((5, 6), dict(track_running_stats=False), "batch_norm"),
+    "bn_cumulative": ((5, 6), dict(momentum=None), "batch_norm"),
+    "ln_no_affine": ((5, 6), dict(affine=False), "layer_norm"),
+    "silu": ((5, 6), dict(activation="silu"), "batch_norm"),
+    "relu6": ((5, 6), dict(activation="relu6"), "none"),
+    "hardswish": ((5, 6), dict(activation="hardswish"), "layer_norm"),
+    "leaky_relu": ((5, 6), dict(activation="leaky_relu", negative_slope=0.2), "batch_norm"),
+    "elu": ((5, 6), dict(activation="elu", alpha=0.7), "none"),
+}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", list(GPU_OPTIONS))
+def test_the_module_on_the_gpu_takes_pytorchs_options_as_accurately_as_pytorch(case, dtype, training):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    channels, options, norm = GPU_OPTIONS[case]
+    ours, theirs, tdt = _module_pair(torch, norm, dtype, channels, **options)
+    _assert_as_accurate_as_pytorch(torch, ours, theirs, tdt, (4, channels[0], 12, 10), training)
+
+
+def test_swap_on_the_gpu_converts_a_depthwise_separable_block_and_trains_as_pytorch():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from torch import nn
+
+    from conv2d.torch import swap
+
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Conv2d(8, 16, 3, padding="same", groups=8, bias=False, padding_mode="reflect"),
+                          nn.BatchNorm2d(16), nn.ReLU6(), nn.Conv2d(16, 8, 1), nn.BatchNorm2d(8), nn.Hardswish()
+                          ).cuda().to(memory_format=torch.channels_last)
+    swapped = swap(copy.deepcopy(block))
+    assert [type(m).__name__ for m in swapped].count("Conv2dNormActivation") == 2
+    x = torch.randn(4, 8, 14, 14, device="cuda").to(memory_format=torch.channels_last)
+    for model in (block, swapped):
+        model(x).square().sum().backward()
+    torch.testing.assert_close(swapped(x), block(x), rtol=1e-4, atol=1e-4)
+    ours = swapped.state_dict(keep_vars=True)  # the original model's keys
+    for name, p in block.named_parameters():
+        torch.testing.assert_close(ours[name].grad, p.grad, rtol=1e-3, atol=1e-3, msg=name)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

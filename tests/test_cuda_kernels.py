@@ -340,19 +340,25 @@ def test_the_cuda_bias_gradient_sums_d_z_as_stored_like_the_reference():
     assert np.count_nonzero(got != unrounded) >= 8
 
 
-DIRECT_CASES = [("relu", "none", "float32", 1, 1), ("gelu", "batch_norm", "float32", 2, 0),
-                ("tanh", "batch_norm", "bfloat16", 1, 1), ("sigmoid", "none", "float16", 2, 2)]
+DIRECT_CASES = [("relu", "none", "float32", dict(stride=1, padding=1)),
+                ("gelu", "batch_norm", "float32", dict(stride=2, padding=0)),
+                ("tanh", "batch_norm", "bfloat16", dict(stride=1, padding=1)),
+                ("sigmoid", "none", "float16", dict(stride=2, padding=2)),
+                ("relu", "none", "float32", dict(padding="same", dilation=2, groups=3, out_channels=6)),
+                ("silu", "batch_norm", "float32", dict(padding=((0, 2), (1, 0)), dilation=(1, 2))),
+                ("relu6", "none", "bfloat16", dict(padding=2, padding_mode="reflect", groups=3, out_channels=3)),
+                ("identity", "batch_norm", "float32", dict(padding=(1, 2), padding_mode="circular", stride=2))]
 
 
-@pytest.mark.parametrize("act, norm, dtype, stride, padding", DIRECT_CASES, ids=["-".join(map(str, c))
-                                                                                  for c in DIRECT_CASES])
-def test_the_direct_evaluate_kernel_agrees_with_the_reference_and_the_cudnn_path(act, norm, dtype, stride,
-                                                                                    padding):
+@pytest.mark.parametrize("act, norm, dtype, geometry", DIRECT_CASES,
+                         ids=["-".join([*c[:3], *(f"{k}{v}".replace(" ", "") for k, v in c[3].items())])
+                              for c in DIRECT_CASES])
+def test_the_direct_evaluate_kernel_agrees_with_the_reference_and_the_cudnn_path(act, norm, dtype, geometry):
     """evaluate_kernel="direct" (convolution, norm and activation in one kernel) gives the
     reference's evaluate, and the default path's, within storage rounding; at N = 1 and
-    at the planned batch."""
-    spec = LayerSpec(batch_size=3, in_height=7, in_width=6, in_channels=3, out_channels=4, kernel=3, stride=stride,
-                     padding=padding, activation=act, normalization=norm, dtype=dtype)
+    at the planned batch; strides, paddings, padding modes, dilation and groups."""
+    spec = LayerSpec(**{**dict(batch_size=3, in_height=7, in_width=6, in_channels=3, out_channels=4, kernel=3,
+                               activation=act, normalization=norm, dtype=dtype), **geometry})
     direct = cuda_layer(spec, evaluate_kernel="direct")
     default, ref = cuda_layer(spec), make_layer(spec, backend="reference")
     x, _ = random_inputs(spec)
@@ -370,3 +376,31 @@ def test_the_direct_evaluate_kernel_refuses_layer_norm():
         Conv2d(spec, "cuda", evaluate_kernel="direct", convolutions=HostConvolutions)
     with pytest.raises(ValueError, match="^evaluate_kernel: expected 'cudnn' or 'direct', got 'fused'"):
         Conv2d(spec, "cuda", evaluate_kernel="fused", convolutions=HostConvolutions)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular", "zeros"])
+@pytest.mark.parametrize("pads", [((1, 1), (1, 1)), ((2, 0), (1, 3)), ((0, 3), (4, 0))], ids=str)
+def test_the_padding_kernels_are_the_references_pad_and_its_adjoint(mode, pads):
+    """pad_input copies what conv.pad does, bitwise; unpad_gradient sums what conv.unpad
+    does (another order of the same float32 additions)."""
+    from conv2d.cuda.kernels.padding import padding_kernels, source_tables
+    from conv2d.reference import conv
+
+    (top, bottom), (left, right) = pads
+    n, h, w, c = 2, 5, 6, 3
+    hp, wp = h + top + bottom, w + left + right
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, h, w, c)).astype(np.float32)
+    d_xp = rng.standard_normal((n, hp, wp, c)).astype(np.float32)
+    rows, row_copies = source_tables(h, top, bottom, mode)
+    cols, col_copies = source_tables(w, left, right, mode)
+    pad_input, unpad_gradient = padding_kernels("float32")
+    xp = cuda.device_array(n * hp * wp * c, np.float32)
+    pad_input[8, 32](cuda.to_device(x.ravel()), xp, cuda.to_device(rows), cuda.to_device(cols), h, w, c, hp, wp)
+    np.testing.assert_array_equal(xp.copy_to_host().reshape(n, hp, wp, c), conv.pad(x, pads, mode))
+    d_x = cuda.device_array(x.size, np.float32)
+    unpad_gradient[8, 32](cuda.to_device(d_xp.ravel()), d_x, cuda.to_device(row_copies.ravel()),
+                          cuda.to_device(col_copies.ravel()), row_copies.shape[1], col_copies.shape[1], h, w, c, hp,
+                          wp)
+    np.testing.assert_allclose(d_x.copy_to_host().reshape(x.shape), conv.unpad(d_xp, pads, mode, (h, w)),
+                               rtol=1e-6, atol=1e-6)

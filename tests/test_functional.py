@@ -530,14 +530,3 @@ def test_the_bias_gradient_sums_d_z_as_stored_in_the_storage_dtype():
     rounded, unrounded = bias_of(d_z.astype(st).astype(np.float32)), bias_of(d_z)
     assert (rounded != unrounded).any()
     np.testing.assert_array_equal(grads["bias"], rounded)
-
-
-@pytest.mark.parametrize("option", [dict(groups=2), dict(dilation=2), dict(dilation=(1, 2))])
-def test_the_cuda_backend_refuses_groups_and_dilation_until_it_has_them(option):
-    pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (the test extra brings it)")
-    from conv2d.cuda.functional import Functions
-    from host_convolutions import HostConvolutions
-
-    with pytest.raises(NotImplementedError, match="the CUDA backend takes groups=1 and dilation=1"):
-        Functions(functional_spec(backend="cuda", in_channels=2, out_channels=4, **option),
-                  convolutions=HostConvolutions)

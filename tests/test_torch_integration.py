@@ -30,11 +30,32 @@ def module(norm="batch_norm", activation="tanh", **kw):
 
 
 # 1. Every argument honoured or refused ----------------------------------------------------------
-@pytest.mark.parametrize("option", [dict(momentum=None)])
-def test_a_pytorch_option_not_implemented_is_refused_naming_it(option):
-    name = next(iter(option))
-    with pytest.raises(NotImplementedError, match=rf"^{name}="):
-        Conv2dNormActivation(3, 3, 3, **option)
+@pytest.mark.parametrize("set_later", [False, True], ids=["constructed", "set_later"])
+def test_momentum_none_keeps_pytorchs_cumulative_average(set_later):
+    ours = module("batch_norm", momentum=0.1 if set_later else None)
+    theirs = reference_sequential(ours)
+    if set_later:
+        ours.norm.momentum = theirs[1].momentum = None
+    assert theirs[1].momentum is None and "momentum=None" in repr(ours)
+    for step in range(4):
+        x = nchw(2 + step, 3, 5, 5, seed=step)
+        torch.testing.assert_close(ours(x), theirs(x))
+        for k, v in theirs.state_dict().items():
+            torch.testing.assert_close(ours.state_dict()[k], v, msg=k)
+    assert int(ours.norm.num_batches_tracked) == 4 and sorted(ours.state_dict()) == sorted(theirs.state_dict())
+    ours.eval(), theirs.eval()
+    torch.testing.assert_close(ours(x), theirs(x))
+
+
+def test_momentum_none_under_torch_compile_keeps_the_cumulative_average():
+    ours = module("batch_norm", momentum=None)
+    theirs = reference_sequential(ours)
+    compiled = torch.compile(ours, backend="aot_eager")  # no C++ toolchain needed on CI
+    for step in range(3):
+        x = nchw(2 + step, 3, 5, 5, seed=step)
+        torch.testing.assert_close(compiled(x), theirs(x))
+    for k, v in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[k], v, msg=k)
 
 
 @pytest.mark.parametrize("option", [dict(groups=1), dict(dilation=1), dict(dilation=(1, 1)),
@@ -255,7 +276,7 @@ def test_swap_converts_the_newer_activations_and_unswap_restores_them(activation
     assert repr(unswap(swapped)[2]) == repr(activation)  # its parameter included
 
 
-def test_swap_converts_a_depthwise_separable_block_on_the_cpu():
+def test_swap_converts_a_depthwise_separable_block():
     torch.manual_seed(0)
     block = nn.Sequential(nn.Conv2d(4, 8, 3, padding="same", groups=4, bias=False, padding_mode="reflect"),
                           nn.BatchNorm2d(8), nn.ReLU6(), nn.Conv2d(8, 6, 1), nn.BatchNorm2d(6), nn.Hardswish()
@@ -266,6 +287,30 @@ def test_swap_converts_a_depthwise_separable_block_on_the_cpu():
     torch.testing.assert_close(swapped(x), block(x))
     restored = unswap(swapped)
     assert restored[0].groups == 4 and restored[0].padding == "same" and restored[0].padding_mode == "reflect"
+
+
+@pytest.mark.parametrize("norm", [nn.BatchNorm2d(8, affine=False), nn.BatchNorm2d(8, track_running_stats=False),
+                                  nn.BatchNorm2d(8, momentum=None), nn.GroupNorm(1, 8, affine=False)], ids=repr)
+def test_swap_converts_norms_without_affine_parameters_or_running_statistics(norm):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), norm, nn.ReLU()).double()
+    x = nchw(4, 3, 6, 6)
+    swapped = swap(copy.deepcopy(model))
+    assert [type(m).__name__ for m in swapped] == ["Conv2dNormActivation", "Identity", "Identity"]
+    assert sorted(swapped.state_dict()) == sorted(model.state_dict())
+    for training in (True, False):
+        model.train(training), swapped.train(training)
+        torch.testing.assert_close(swapped(x), model(x))
+
+
+def test_swap_converts_a_cumulative_batch_norm():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=None), nn.ReLU()).double()
+    swapped = swap(copy.deepcopy(model))
+    assert [type(m).__name__ for m in swapped] == ["Conv2dNormActivation", "Identity", "Identity"]
+    for seed in range(3):
+        x = nchw(4, 3, 6, 6, seed=seed)
+        torch.testing.assert_close(swapped(x), model(x))
+    torch.testing.assert_close(swapped.state_dict()["1.running_var"], model.state_dict()["1.running_var"])
 
 
 def test_checkpoints_load_either_way_between_a_model_and_its_swap():

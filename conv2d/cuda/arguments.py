@@ -55,7 +55,8 @@ class Arguments:
         return self._arrays("params", params, self.param_names)
 
     def running(self, running: Mapping[str, Any] | None, need: bool) -> dict[str, Any] | None:
-        if self.spec.normalization is not Normalization.BATCH_NORM or (running is None and not need):
+        if (self.spec.normalization is not Normalization.BATCH_NORM or not self.spec.bn_track_running_stats
+                or (running is None and not need)):
             return None
         return self._arrays("running", running, list(RUNNING))
 

@@ -8,7 +8,10 @@ with CUDNN_STATUS_INTERNAL_ERROR, so training keeps the ReLU in the numba pass.)
 are cuDNN's heuristic first choice, or with `autotune` the fastest deterministic plan
 measured on this GPU (`Graph.plan`, the engine's name, says which). Tensors are NHWC
 in memory and described to cuDNN in its NCHW dimension order with NHWC strides; weights
-(OC, KH, KW, IC) likewise. Only engines without the NONDETERMINISTIC numerical note are
+(OC, KH, KW, IC / groups) likewise: cuDNN infers the groups from the filter's channel count
+(as PyTorch's cuDNN path does). Padding goes to the frontend as pre/post padding (so
+asymmetric zero padding is cuDNN's too), dilation as the convolution's; other padding
+modes are padded by the layer first (steps.pad_input), and the graphs see zeros. Only engines without the NONDETERMINISTIC numerical note are
 kept; float32 keeps only engines without TENSOR_CORE / DOWN_CONVERT_INPUTS (no TF32)
 unless TF32 is allowed; 16-bit types compute in float32 and drop
 REDUCED_PRECISION_REDUCTION engines.
@@ -183,12 +186,21 @@ def _dims(spec: LayerSpec) -> dict[str, tuple[list[int], list[int]]]:
     n, h, w, c = spec.input_shape
     _, oh, ow, oc = spec.output_shape
     kh, kw = spec.kernel
+    # cuDNN infers the groups from the filter's channel count: C / groups.
+    cg = c // spec.groups
     return {
         "x": ([n, c, h, w], [h * w * c, 1, w * c, c]),
         "y": ([n, oc, oh, ow], [oh * ow * oc, 1, ow * oc, oc]),
-        "w": ([oc, c, kh, kw], [kh * kw * c, 1, kw * c, c]),
+        "w": ([oc, cg, kh, kw], [kh * kw * cg, 1, kw * cg, cg]),
         "b": ([1, oc, 1, 1], [oc, 1, oc, oc]),
     }
+
+
+def _geometry(spec: LayerSpec) -> dict[str, list[int]]:
+    """The convolution's arguments to the frontend: padding before (top, left) and after
+    (bottom, right), stride, dilation."""
+    return dict(pre_padding=list(spec.padding), post_padding=list(spec.padding_end), stride=list(spec.stride),
+                dilation=list(spec.dilation))
 
 
 def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autotune: Any = None) -> Graph:
@@ -197,7 +209,9 @@ def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autotune: An
           DType.BFLOAT16: cudnn.data_type.BFLOAT16}[spec.dtype]
     f32 = cudnn.data_type.FLOAT
     d = _dims(spec)
-    conv = dict(padding=list(spec.padding), stride=list(spec.stride), dilation=[1, 1])
+    if spec.padding_mode != "zeros" and spec.pads != ((0, 0), (0, 0)):
+        raise ValueError(f"cuDNN pads with zeros only; pad the input first (padding_mode={spec.padding_mode!r})")
+    conv = _geometry(spec)
     try:
         g = cudnn.pygraph(io_data_type=dt, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
 
@@ -301,7 +315,8 @@ def graph(op: str, spec: LayerSpec, device: int, allow_tf32: bool, handle: Any, 
     not), from the cache or built now. `autotune`, if given, times a plan (see `_autotune`).
     Threads asking for the same key wait for one build; other keys build in parallel."""
     # The convolutions do not depend on the activation or norm: key by what they read.
-    conv_key = (spec.input_shape, spec.out_channels, spec.kernel, spec.stride, spec.padding, spec.dtype, spec.bias)
+    conv_key = (spec.input_shape, spec.out_channels, spec.kernel, spec.stride, spec.pads, spec.dilation, spec.groups,
+                spec.dtype, spec.bias)
     key = (op, conv_key, device, bool(allow_tf32) and spec.dtype is DType.FLOAT32, autotune is not None)
     with _CACHE_LOCK:
         found = _CACHE.get(key)

@@ -39,9 +39,10 @@ from conv2d.backend import not_taken
 from conv2d.cuda import cudnn, kernels as K, steps
 from conv2d.cuda.arguments import Arguments
 from conv2d.cuda.kernels import simple
+from conv2d.cuda.kernels.padding import padding_kernels
 from conv2d.cuda.launch import Launch, Launcher, device_pointer
 from conv2d.cuda.memory import OutputAllocator, Outputs
-from conv2d.cuda.plans import Saved, ShapePlan, ShapePlans
+from conv2d.cuda.plans import Saved, ShapePlan, ShapePlans, convolution_spec
 from conv2d.cuda.runtime import (as_stream, device_dtype, from_device_bits, numba_cuda, require_gpu, same_stream,
                                  stream_handle, to_device_bits, zero_fill)
 from conv2d.cuda.streams import Streams
@@ -68,6 +69,9 @@ def _check_options(spec: LayerSpec, allow_tf32: bool, autotune: bool, fast_paths
     if evaluate_kernel == "direct" and spec.normalization is Normalization.LAYER_NORM:
         raise ValueError("evaluate_kernel: 'direct' takes no norm or batch norm; layer norm needs each "
                          "sample's statistics first (use 'cudnn')")
+    if evaluate_kernel == "direct" and not spec.bn_track_running_stats:
+        raise ValueError("evaluate_kernel: 'direct' normalises with running statistics; this batch norm has "
+                         "none (bn_track_running_stats=False) and needs the batch's first (use 'cudnn')")
     if kernels not in ("fast", "simple"):
         raise ValueError(f"kernels: expected 'fast' or 'simple', got {kernels!r}")
     if not isinstance(launch_config, K.LaunchConfig):
@@ -139,11 +143,21 @@ class Functions:
         # a reference cycle would keep a dropped layer's device memory until the garbage
         # collector runs (which may be inside a caller's CUDA graph capture).
         current = self.streams.current_stream
+        constants = discard = None
+        if spec.normalization is not Normalization.NONE and not spec.bn_affine:
+            oc = spec.out_channels
+            constants = {"gamma": cuda.to_device(np.ones(oc, np.float32)),
+                         "beta": cuda.to_device(np.zeros(oc, np.float32))}
+            discard = {"gamma": cuda.device_array(oc, np.float32), "beta": cuda.device_array(oc, np.float32)}
         self._k = steps.Kernels(
             spec, cuda, fast, K.kernel_set(*kinds, False, launch_config, parameter) if self.lanes > 1 else fast,
             simple.simple_set(spec.dtype.value, spec.activation, parameter) if kernels == "simple" else None,
             simple.simple_set("float32", spec.activation, parameter) if kernels == "simple" else None,
-            self._dummy, Launcher(current, fast_paths))
+            self._dummy, Launcher(current, fast_paths),
+            padding_kernels(spec.dtype.value) if convolution_spec(spec) is not spec else None, constants, discard)
+        # Batch norm without running statistics normalises with the batch's in evaluation too.
+        self._batch_stats_always = (spec.normalization is Normalization.BATCH_NORM
+                                    and not spec.bn_track_running_stats)
         self._allocator = OutputAllocator(cuda, own)
         self._outputs = Outputs(spec, cuda, self._allocator, current)
         simple_kernels = kernels == "simple"
@@ -204,9 +218,10 @@ class Functions:
             raise TypeError(f"training: expected a bool, got {training!r}")
         with self._lock:
             call, x_dev, lib = self._args.input("x", x)
-            p = self._args.params(params)
+            p = self._k.with_constants(self._args.params(params))
             r = self._args.running(running, need=not training)
             plan = self._plans.get(call)
+            training = training or self._batch_stats_always
             if r is not None and training:
                 self.spec.running_var_scale(plan.M)  # raises before any work where the rule cannot apply
             outside = None if saved_out is None else self._args.saved_arrays(
@@ -228,17 +243,18 @@ class Functions:
         """forward(training=False)'s y, keeping nothing."""
         with self._lock:
             call, x_dev, lib = self._args.input("x", x)
-            p = self._args.params(params)
-            r = self._args.running(running, need=True)
+            p = self._k.with_constants(self._args.params(params))
+            r = self._args.running(running, need=not self._batch_stats_always)
             plan = self._plans.get(call)
             stream = self.streams.enter(lib, x)
             y_dev, y = self._outputs.output(plan, "y", call.output_shape, lib, x)
             if self.evaluate_kernel == "direct":
                 steps.direct_evaluate(self._k, plan, p, r, x_dev, y_dev)
             elif self.relu_fusion:
-                plan.conv.forward(x_dev, p["weights"], p.get("bias"), y_dev, relu=True)
+                steps.pre_activations(self._k, plan, p, x_dev, y_dev, relu=True)
             else:
-                steps.forward_steps(self._k, plan, p, r, x_dev, y_dev, plan.evaluate_buffers(), False, "evaluate")
+                steps.forward_steps(self._k, plan, p, r, x_dev, y_dev, plan.evaluate_buffers(),
+                                    self._batch_stats_always, "evaluate")
             return self._outputs.result(y, lib, stream)
 
     def saved(self, x: Any, pre: Any, mean: Any, inv_std: Any, batch_stats: bool) -> Saved:
@@ -291,7 +307,7 @@ class Functions:
             if d_x_out is not None and not want_input:
                 raise ValueError("d_x_out: given with want_input=False")
             d_y_dev = self._args.d_y(d_y, call)
-            p = self._args.params(params)
+            p = self._k.with_constants(self._args.params(params))
             given_g = None if grads_out is None else self._args.grads_out(grads_out)
             if given_g is not None and lib == NUMPY:
                 raise TypeError("grads_out: given beside a NumPy d_y (a NumPy call's results are host copies)")
@@ -308,7 +324,7 @@ class Functions:
             # Parameter gradients: added into the caller's `accumulate`, or written fresh.
             acc = (K.ACC_ADD if accumulate is not None else K.ACC_WRITE) if want_params else K.ACC_NONE
             narrow = self.lanes > 1 and device_pointer(d_y_dev) % 8 != 0
-            steps.grad_pre_activations(self._k, plan, p, saved, d_y_dev, narrow, g, acc)
+            steps.grad_pre_activations(self._k, plan, p, saved, d_y_dev, narrow, self._k.with_discard(g), acc)
             d_x = None
             if want_input:
                 d_x_dev, d_x = ((given_d_x, d_x_out) if d_x_out is not None

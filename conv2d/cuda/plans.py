@@ -11,6 +11,7 @@ refused.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from typing import Any, Callable
@@ -18,8 +19,35 @@ from typing import Any, Callable
 import numpy as np
 
 from conv2d.cuda.kernels import simple
+from conv2d.cuda.kernels.padding import source_tables
 from conv2d.cuda.launch import Launch, LaunchKey
 from conv2d.spec import LayerSpec, Normalization
+
+
+def convolution_spec(spec: LayerSpec) -> LayerSpec:
+    """The spec cuDNN's graphs run for `spec`: itself, or where it pads with a mode other
+    than zeros (which cuDNN does not have), that of its padded input, unpadded."""
+    (top, bottom), (left, right) = spec.pads
+    if spec.padding_mode == "zeros" or top == bottom == left == right == 0:
+        return spec
+    return dataclasses.replace(spec, in_height=spec.in_height + top + bottom, in_width=spec.in_width + left + right,
+                               padding=0, padding_end=None, padding_mode="zeros")
+
+
+class PaddingPlan:
+    """A padding mode's device buffers at one input shape: the padded input `x` and its
+    gradient `d_x` (N, Hp, Wp, C), and kernels/padding.py's tables of each axis (`rows`,
+    `cols`; `row_copies` (H, KR) and `col_copies` (W, KC), flat)."""
+
+    def __init__(self, spec: LayerSpec, padded: LayerSpec, cuda: Any, device_dtype: np.dtype) -> None:
+        (top, bottom), (left, right) = spec.pads
+        rows, row_copies = source_tables(spec.in_height, top, bottom, spec.padding_mode)
+        cols, col_copies = source_tables(spec.in_width, left, right, spec.padding_mode)
+        self.rows, self.cols = cuda.to_device(rows), cuda.to_device(cols)
+        self.row_copies, self.col_copies = cuda.to_device(row_copies.ravel()), cuda.to_device(col_copies.ravel())
+        self.KR, self.KC = row_copies.shape[1], col_copies.shape[1]
+        size = math.prod(padded.input_shape)
+        self.x, self.d_x = cuda.device_array(size, device_dtype), cuda.device_array(size, device_dtype)
 
 
 class ShapePlan:
@@ -27,7 +55,8 @@ class ShapePlan:
     reduction scratch, prepared launches, free saved buffers, and once frozen the fixed
     buffers. Sizes: M = N*OH*OW rows of C = OC channels, S = OH*OW*OC values a sample,
     `groups` norm groups (channels for batch norm, samples for layer norm), P row-kernel
-    blocks, Q segment blocks a sample."""
+    blocks, Q segment blocks a sample. `conv_spec` is the spec cuDNN runs
+    (convolution_spec) and `padding` its PaddingPlan where that is another."""
 
     def __init__(self, spec: LayerSpec, cuda: Any, device_dtype: np.dtype, config: Any, convolutions: Any,
                  simple_kernels: bool) -> None:
@@ -42,7 +71,9 @@ class ShapePlan:
         self.P = config.row_partition(self.M, self.C)
         self.Q = config.segment_partition(self.S)
         self.counter_size = 1 + config.phase_groups(self.P)
-        self.conv = convolutions(spec)
+        self.conv_spec = convolution_spec(spec)
+        self.padding = None if self.conv_spec is spec else PaddingPlan(spec, self.conv_spec, cuda, device_dtype)
+        self.conv = convolutions(self.conv_spec)
         # Reduction scratch: the row kernels' partials (one row a block, then one a group
         # of blocks), the per-sample partials of layer norm, the totals.
         rows = self.P + config.phase_groups(self.P)

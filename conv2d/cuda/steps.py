@@ -3,11 +3,12 @@ over one input shape's plan (plans.ShapePlan) and device arrays:
 
 | reference | here | runs |
 | --- | --- | --- |
+| conv.pad | pad_input | pad_input (padding modes other than zeros) |
 | _pre_activations | pre_activations | cuDNN forward (bias fused) |
 | _statistics | statistics | batch_norm_statistics; layer_norm_partials + layer_norm_statistics; running_statistics |
 | _activation_input + activations.forward | normalise_and_activate | normalise_and_activate |
 | grad_pre_activations + bias_backward | grad_pre_activations | norm_gradients (+ layer norm's partials), grad_pre_activations |
-| conv_backward_data | input_gradient | cuDNN backward-data |
+| conv_backward_data (+ conv.unpad) | input_gradient | cuDNN backward-data (+ unpad_gradient) |
 | conv_backward_filter | weight_gradient | cuDNN backward-filter (+ accumulate_stored) |
 | forward | forward_steps | the forward's steps in order |
 
@@ -39,7 +40,10 @@ class Kernels:
     """What the steps launch with, for one layer: its spec, the fast kernel sets (wide
     loads, and `narrow` for d_y that is not 8-byte aligned: the same sums, one load a
     value), or the simple sets; the one-element dummy array that stands for arrays a
-    kernel does not use; the launcher."""
+    kernel does not use; the launcher; the padding kernels (kernels/padding.py) where the
+    spec pads with a mode other than zeros; for a norm without gamma and beta
+    (bn_affine=False), gamma = 1 and beta = 0 arrays and two arrays their gradients go
+    to, unread."""
 
     spec: LayerSpec
     cuda: Any
@@ -49,9 +53,20 @@ class Kernels:
     simple32: Any
     dummy: Any
     launch: Launcher
+    padding: tuple | None = None
+    constants: dict | None = None
+    discard: dict | None = None
 
     def norm_params(self, p: dict) -> dict[str, Any]:
         return {"gamma": p.get("gamma", self.dummy), "beta": p.get("beta", self.dummy)}
+
+    def with_constants(self, p: dict) -> dict:
+        """The parameters, with gamma = 1 and beta = 0 where the norm has none."""
+        return p if self.constants is None else {**self.constants, **p}
+
+    def with_discard(self, g: dict) -> dict:
+        """The gradient arrays, with unread ones for gamma and beta where the norm has none."""
+        return g if self.discard is None or not g else {**self.discard, **g}
 
 
 def _rows(k: Kernels, plan: ShapePlan, key: LaunchKey, **args: Any) -> None:
@@ -76,9 +91,22 @@ def _rows(k: Kernels, plan: ShapePlan, key: LaunchKey, **args: Any) -> None:
     launch()
 
 
-def pre_activations(k: Kernels, plan: ShapePlan, p: dict, x: Any, z: Any) -> None:
-    """z = conv(x, W) + b (cuDNN), stored."""
-    plan.conv.forward(x, p["weights"], p.get("bias"), z)
+def pad_input(k: Kernels, plan: ShapePlan, x: Any) -> Any:
+    """x (N, H, W, C) as cuDNN reads it: itself, or padded into the plan's buffer (N, Hp,
+    Wp, C) by the spec's padding mode (reference: conv.pad)."""
+    pads = plan.padding
+    if pads is None:
+        return x
+    n, h, w, c = plan.spec.input_shape
+    _, hp, wp, _ = plan.conv_spec.input_shape
+    k.launch(plan.launches, LaunchKey("pad_input"), k.padding[0], *K.elementwise_grid(pads.x.size),
+             {"xp": pads.x, "rows": pads.rows, "cols": pads.cols, "H": h, "W": w, "C": c, "HP": hp, "WP": wp}, x=x)
+    return pads.x
+
+
+def pre_activations(k: Kernels, plan: ShapePlan, p: dict, x: Any, z: Any, relu: bool = False) -> None:
+    """z = conv(x, W) + b (cuDNN), stored; with `relu` (evaluate without a norm) z's ReLU."""
+    plan.conv.forward(pad_input(k, plan, x), p["weights"], p.get("bias"), z, relu=relu)
 
 
 def statistics(k: Kernels, plan: ShapePlan, p: dict, r: dict | None, z: Any, stats: tuple, training: bool,
@@ -178,13 +206,24 @@ def grad_pre_activations(k: Kernels, plan: ShapePlan, p: dict, saved: Saved, d_y
 
 
 def input_gradient(k: Kernels, plan: ShapePlan, p: dict, d_x: Any) -> None:
-    """d_x = conv_backward_data(W, d_z) (cuDNN), stored."""
-    plan.conv.backward_data(plan.d_z, p["weights"], d_x)
+    """d_x = conv_backward_data(W, d_z) (cuDNN), stored; with a padding mode, the padded
+    input's gradient added back to the positions it copies (reference: conv.unpad)."""
+    pads = plan.padding
+    if pads is None:
+        plan.conv.backward_data(plan.d_z, p["weights"], d_x)
+        return
+    plan.conv.backward_data(plan.d_z, p["weights"], pads.d_x)
+    n, h, w, c = plan.spec.input_shape
+    _, hp, wp, _ = plan.conv_spec.input_shape
+    k.launch(plan.launches, LaunchKey("unpad_gradient"), k.padding[1], *K.elementwise_grid(n * h * w * c),
+             {"d_xp": pads.d_x, "row_copies": pads.row_copies, "col_copies": pads.col_copies, "KR": pads.KR,
+              "KC": pads.KC, "H": h, "W": w, "C": c, "HP": hp, "WP": wp}, d_x=d_x)
 
 
 def weight_gradient(k: Kernels, plan: ShapePlan, x: Any, grad: Any, accumulate: bool) -> None:
     """The weights' gradient conv_backward_filter(x, d_z) (cuDNN) written into `grad`, or
     added into it (`accumulate`: written into the plan's d_w, then added, both stored)."""
+    x = pad_input(k, plan, x)
     if not accumulate:
         plan.conv.backward_filter(x, plan.d_z, grad)
         return
@@ -195,13 +234,16 @@ def weight_gradient(k: Kernels, plan: ShapePlan, x: Any, grad: Any, accumulate: 
 
 
 def direct_evaluate(k: Kernels, plan: ShapePlan, p: dict, r: dict | None, x: Any, y: Any) -> None:
-    """evaluate's y in one launch (kernels.fast's direct_evaluate)."""
-    s, d = plan.spec, k.dummy
+    """evaluate's y in one launch (kernels.fast's direct_evaluate), on the padded input
+    where the spec pads with a mode other than zeros."""
+    s, d = plan.conv_spec, k.dummy
+    x = pad_input(k, plan, x)
     n, h, w, c = s.input_shape
     _, oh, ow, oc = s.output_shape
-    (kh, kw), (sh, sw), (ph, pw) = s.kernel, s.stride, s.padding
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = s.kernel, s.stride, s.padding, s.dilation
     fixed = {"has_bias": k.spec.bias, "epsilon": np.float32(s.bn_epsilon), "H": h, "W": w, "C": c, "OH": oh,
-             "OW": ow, "OC": oc, "KH": kh, "KW": kw, "SH": sh, "SW": sw, "PH": ph, "PW": pw}
+             "OW": ow, "OC": oc, "KH": kh, "KW": kw, "SH": sh, "SW": sw, "PH": ph, "PW": pw, "DH": dh, "DW": dw,
+             "CG": c // s.groups, "OCG": oc // s.groups}
     running = {"running_mean": r["running_mean"], "running_var": r["running_var"]} if r else {
         "running_mean": d, "running_var": d}
     k.launch(plan.launches, LaunchKey("direct_evaluate"), k.fast.direct_evaluate, *K.elementwise_grid(plan.total),

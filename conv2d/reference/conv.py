@@ -36,7 +36,7 @@ def pad(x: np.ndarray, padding: tuple, mode: str = "zeros") -> np.ndarray:
     return np.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)), mode=_NUMPY_MODES[mode])
 
 
-def _sources(size: int, before: int, after: int, mode: str) -> np.ndarray:
+def sources(size: int, before: int, after: int, mode: str) -> np.ndarray:
     """For each of the before + size + after padded positions of one axis, the input
     position it copies (-1: a zero)."""
     j = np.arange(-before, size + after)
@@ -57,7 +57,7 @@ def unpad(d_xp: np.ndarray, padding: tuple, mode: str, input_hw: tuple[int, int]
     h, w = input_hw
     if mode == "zeros":
         return np.ascontiguousarray(d_xp[:, top:top + h, left:left + w, :])
-    rows, cols = _sources(h, top, bottom, mode), _sources(w, left, right, mode)
+    rows, cols = sources(h, top, bottom, mode), sources(w, left, right, mode)
     by_rows = np.zeros((d_xp.shape[0], h, d_xp.shape[2], d_xp.shape[3]), dtype=d_xp.dtype)
     np.add.at(by_rows, (slice(None), rows), d_xp)
     d_x = np.zeros((d_xp.shape[0], h, w, d_xp.shape[3]), dtype=d_xp.dtype)

@@ -98,6 +98,15 @@ class _BatchNormParameters(nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("the batch norm of a Conv2dNormActivation holds its parameters; call the module")
 
+    def batch_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two buffers beside the running statistics (made on first use, not in the
+        state_dict) that a training call with momentum=None has the layer write the
+        batch's statistics into (as a momentum-1 update), for the cumulative average."""
+        if getattr(self, "batch_mean", None) is None or self.batch_mean.device != self.running_mean.device:
+            self.register_buffer("batch_mean", torch.zeros_like(self.running_mean), persistent=False)
+            self.register_buffer("batch_var", torch.ones_like(self.running_var), persistent=False)
+        return self.batch_mean, self.batch_var
+
 
 class Conv2dNormActivation(nn.Module):
     """act(norm(conv(x) + b)) on NCHW-shaped tensors, as the Sequential it replaces.
@@ -128,12 +137,12 @@ class Conv2dNormActivation(nn.Module):
     refuses it with NotImplementedError at the first call).
 
     `nn.Conv2d`'s and `nn.BatchNorm2d`'s other arguments are taken by name and refused
-    unless they have their default (NotImplementedError naming the option): `momentum=None`.
-    `affine=False` and `track_running_stats=False` (batch statistics in evaluation too)
-    run on CPU tensors. `dilation`, `groups` (depthwise included),
-    padding "same"/"valid" and `padding_mode` run on CPU tensors; the CUDA backend refuses
-    them (NotImplementedError at the first call) for now. Any other keyword is a TypeError,
-    as in PyTorch.
+    unless they have their default (NotImplementedError naming the option). `momentum=None`
+    (the cumulative average; the module's batch statistics go through two buffers beside
+    the running ones, not in its state_dict, and the running ones move 1/num_batches_tracked
+    of the way), `affine=False` and `track_running_stats=False` (batch statistics in evaluation too),
+    `dilation`, `groups` (depthwise included), padding "same"/"valid" and `padding_mode`
+    run on both devices. Any other keyword is a TypeError, as in PyTorch.
 
     Works in eager mode, under torch.compile (any batch size, `dynamic` or not,
     mode="reduce-overhead" included) and torch.export (the exported program runs wherever conv2d is
@@ -151,7 +160,6 @@ class Conv2dNormActivation(nn.Module):
                  cuda_graphs: bool = True, backend_options: dict[str, Any] | None = None,
                  batch_invariant: bool = False, negative_slope: float = 0.01, alpha: float = 1.0) -> None:
         super().__init__()
-        _refuse_unimplemented(momentum=momentum)
         backend_options = check_options("cuda", backend_options)
         if layout not in ("NCHW", "NHWC"):
             raise ValueError(f"layout: expected 'NCHW' or 'NHWC', got {layout!r}")
@@ -171,7 +179,8 @@ class Conv2dNormActivation(nn.Module):
                                out_channels=out_channels, kernel=kernel_size, stride=stride, padding=padding,
                                padding_mode=padding_mode,
                                dilation=dilation, groups=groups,
-                               activation=activation, normalization=norm, bn_momentum=momentum, bn_epsilon=eps,
+                               activation=activation, normalization=norm, bn_momentum=_layer_momentum(momentum),
+                               bn_epsilon=eps,
                                bias=bias, bn_running_var=running_var, dtype=_DTYPES.get(dtype, DType.FLOAT32),
                                bn_affine=affine,
                                bn_track_running_stats=track_running_stats,
@@ -217,8 +226,13 @@ class Conv2dNormActivation(nn.Module):
                                                   else "")
                 + (f"dilation={s.dilation}, " if s.dilation != (1, 1) else "")
                 + (f"groups={s.groups}, " if s.groups != 1 else "") + f"bias={s.bias}, norm={s.normalization.value!r}, "
-                f"activation={s.activation.value!r}, eps={s.bn_epsilon}, momentum={s.bn_momentum}, "
+                f"activation={s.activation.value!r}, eps={s.bn_epsilon}, momentum={self._momentum()}, "
                 f"running_var={s.bn_running_var.value!r}" + (", layout='NHWC'" if self.layout == "NHWC" else ""))
+
+    def _momentum(self) -> float | None:
+        """The batch norm's momentum as nn.BatchNorm2d's (None: the cumulative average)."""
+        norm = self.norm
+        return norm.momentum if isinstance(norm, nn.BatchNorm2d) else self._spec.bn_momentum
 
     def _spec_for(self, dtype: DType) -> LayerSpec:
         return dataclasses.replace(self._spec, dtype=dtype)
@@ -301,9 +315,9 @@ class Conv2dNormActivation(nn.Module):
                                       "module), or use torch.nn.Conv2d + SyncBatchNorm for this layer")
         if not isinstance(norm, nn.BatchNorm2d):
             return self.training
-        if (norm.eps, norm.momentum) != (self._spec.bn_epsilon, self._spec.bn_momentum):
-            _refuse_unimplemented(momentum=norm.momentum)
-            self._spec = dataclasses.replace(self._spec, bn_epsilon=norm.eps, bn_momentum=norm.momentum)
+        if (norm.eps, _layer_momentum(norm.momentum)) != (self._spec.bn_epsilon, self._spec.bn_momentum):
+            self._spec = dataclasses.replace(self._spec, bn_epsilon=norm.eps,
+                                             bn_momentum=_layer_momentum(norm.momentum))
             self._functions = {}
             self._views = eager.ParameterViews()
             self._refresh_op_key()
@@ -356,6 +370,12 @@ class Conv2dNormActivation(nn.Module):
             gamma, beta = norm.weight, norm.bias
             if self._spec.normalization is Normalization.BATCH_NORM:
                 running_mean, running_var = norm.running_mean, norm.running_var
+        cumulative = running_mean is not None and training and norm.momentum is None
+        if cumulative:
+            # momentum=None: the layer writes the batch's statistics (a momentum-1 update)
+            # beside the running ones, which then move 1/(batches so far) of the way there.
+            kept = running_mean, running_var
+            running_mean, running_var = norm.batch_buffers()
         if type(x) is torch.Tensor and type(weight) in _PLAIN and not torch.compiler.is_compiling():
             fn, graphs = self._functions_for(x)
             if weight.is_contiguous(memory_format=torch.channels_last):
@@ -378,33 +398,32 @@ class Conv2dNormActivation(nn.Module):
             # a view made in the graph and saved for backward is what reduce-overhead's CUDA
             # graph trees reported overwritten (the weight's, then x's).
             w = weight.contiguous(memory_format=torch.channels_last)
-            return self._counted(ops.Conv2dFunction.apply(x, w, bias, gamma, beta, running_mean, running_var,
-                                                          training, self._spec.batch_statistics(training), nchw,
-                                                          self._op_key), running_mean, training)
-        return self._counted(y.permute(0, 3, 1, 2) if nchw else y, running_mean, training)
+            y = ops.Conv2dFunction.apply(x, w, bias, gamma, beta, running_mean, running_var, training,
+                                         self._spec.batch_statistics(training), nchw, self._op_key)
+            return self._counted(y, running_mean, training, kept if cumulative else None)
+        return self._counted(y.permute(0, 3, 1, 2) if nchw else y, running_mean, training,
+                             kept if cumulative else None)
 
-    def _counted(self, y: torch.Tensor, running_mean: Optional[torch.Tensor], training: bool) -> torch.Tensor:
+    def _counted(self, y: torch.Tensor, running_mean: Optional[torch.Tensor], training: bool,
+                 cumulative: Optional[tuple] = None) -> torch.Tensor:
+        """y, after counting a training batch (after the call: a refused input counts no
+        batch) and, with momentum=None, moving the running statistics `cumulative` to
+        the batch's by 1/(batches counted), as nn.BatchNorm2d does."""
         if running_mean is not None and training:
-            self.norm.num_batches_tracked.add_(1)  # after the call: a refused input counts no batch
+            tracked = self.norm.num_batches_tracked
+            tracked.add_(1)
+            if cumulative is not None:
+                batch = self.norm.batch_buffers()
+                with torch.no_grad():
+                    for running, new in zip(cumulative, batch):
+                        running.lerp_(new, tracked.reciprocal().to(running.dtype))
         return y
 
 
-_DEFAULTS = {"affine": True, "track_running_stats": True}
-
-
-def _refuse_unimplemented(**given: Any) -> None:
-    """nn.Conv2d's and nn.BatchNorm2d's arguments that this library does not implement yet:
-    refused unless they have their defaults, never ignored."""
-    for name, value in given.items():
-        if name == "momentum":
-            if value is None:
-                raise NotImplementedError("momentum=None (a cumulative average): conv2d's batch norm takes a "
-                                          "momentum in [0, 1] so far")
-            continue
-        default = _DEFAULTS[name]
-        if value != default or isinstance(value, bool) != isinstance(default, bool):
-            raise NotImplementedError(f"{name}={value!r}: conv2d implements only {name}={default!r} so far; use "
-                                      f"torch.nn.Conv2d/BatchNorm2d for this layer")
+def _layer_momentum(momentum: float | None) -> float:
+    """The LayerSpec's momentum for nn.BatchNorm2d's: None (the cumulative average, which
+    the module computes from a momentum-1 update, see `_counted`) is 1."""
+    return 1.0 if momentum is None else momentum
 
 
 @torch.compiler.disable
@@ -451,7 +470,7 @@ def reference_sequential(module: Conv2dNormActivation) -> nn.Sequential:
     if module.norm is not None:
         norm_dtype = torch.float32 if w.dtype in _SIXTEEN else w.dtype
         where = dict(device=w.device, dtype=norm_dtype, affine=s.bn_affine)
-        layers.append(nn.BatchNorm2d(s.out_channels, eps=s.bn_epsilon, momentum=s.bn_momentum,
+        layers.append(nn.BatchNorm2d(s.out_channels, eps=s.bn_epsilon, momentum=module._momentum(),
                                      track_running_stats=s.bn_track_running_stats, **where)
                       if s.normalization is Normalization.BATCH_NORM else nn.GroupNorm(1, s.out_channels,
                                                                                         eps=s.bn_epsilon, **where))

@@ -7,12 +7,11 @@ Runs are found in `nn.Sequential` containers only (torchvision's Conv2dNormActiv
 one), where the order of the children is the order they run in; a custom module's
 attributes (ResNet's conv1, bn1, relu) say nothing about what its forward does between
 them, and are left alone. The module takes the Conv2d's place and the norm and the
-activation become `nn.Identity`, so every index and name stays. A Conv2d on a GPU with an
-option the CUDA backend does not take yet (groups, dilation, padding modes, string
-padding; on the CPU every Conv2d converts), a norm without affine parameters or running
-statistics, is left as it is; an activation
-it has no name for ends the run (it stays after the module). Hooks registered on the
-replaced modules do not move to the new one.
+activation become `nn.Identity`, so every index and name stays. Every nn.Conv2d converts,
+with its groups, dilation, padding strings and modes, on either device, and so do
+nn.BatchNorm2d and nn.GroupNorm(1, C) with any of their options; an activation it has no
+name for ends the run (it stays after the module).
+Hooks registered on the replaced modules do not move to the new one.
 """
 
 from __future__ import annotations
@@ -36,20 +35,14 @@ def _activation(module: nn.Module) -> str | None:
 
 
 def _convertible_conv(conv: nn.Module) -> bool:
-    """An nn.Conv2d the module runs where its weight lives: any on the CPU (the reference
-    takes groups, dilation, padding strings and modes); on a GPU the CUDA backend's
-    plain convolutions only, for now (the others stay PyTorch's)."""
-    if type(conv) is not nn.Conv2d:
-        return False
-    return not conv.weight.is_cuda or (conv.groups == 1 and conv.dilation == (1, 1)
-                                       and conv.padding_mode == "zeros" and not isinstance(conv.padding, str))
+    """An nn.Conv2d (not a subclass, whose forward may do something else)."""
+    return type(conv) is nn.Conv2d
 
 
 def _norm_kind(norm: nn.Module, channels: int) -> str | None:
-    if type(norm) is nn.BatchNorm2d and norm.affine and norm.track_running_stats and norm.momentum is not None \
-            and norm.num_features == channels:
+    if type(norm) is nn.BatchNorm2d and norm.num_features == channels:
         return "batch_norm"
-    if type(norm) is nn.GroupNorm and norm.num_groups == 1 and norm.affine and norm.num_channels == channels:
+    if type(norm) is nn.GroupNorm and norm.num_groups == 1 and norm.num_channels == channels:
         return "layer_norm"
     return None
 
@@ -121,9 +114,10 @@ def swap(model: nn.Module) -> nn.Module:
             kind = _norm_kind(norm, conv.out_channels) if norm is not None else "none"
             options: dict[str, Any] = {}
             if kind == "batch_norm":
-                options = dict(eps=norm.eps, momentum=norm.momentum)
+                options = dict(eps=norm.eps, momentum=norm.momentum, affine=norm.affine,
+                               track_running_stats=norm.track_running_stats)
             elif kind == "layer_norm":
-                options = dict(eps=norm.eps)
+                options = dict(eps=norm.eps, affine=norm.affine)
             if isinstance(act, nn.LeakyReLU):
                 options["negative_slope"] = act.negative_slope
             elif isinstance(act, nn.ELU):

@@ -205,13 +205,14 @@ def _elementwise_kernels(storage: str, activation: Activation, normalization: No
 
     @cuda.jit
     def direct_evaluate(x, w, b, has_bias, running_mean, running_var, epsilon, gamma, beta, y, H, W, C, OH, OW,
-                        OC, KH, KW, SH, SW, PH, PW):
+                        OC, KH, KW, SH, SW, PH, PW, DH, DW, CG, OCG):
         """evaluate (no norm, or batch norm with the running statistics) in one launch, for
         small inputs where cuDNN's execute and three launches cost more than the math:
         one thread an output value sums conv(x, w) directly (kh, kw, then channels, in
         order) and adds the bias, rounds the sum as the pre-activations are stored, then
         normalises and applies the activation as normalise_and_activate does. x (N, H, W,
-        C), w (OC, KH, KW, C), y (N, OH, OW, OC), flat."""
+        C), w (OC, KH, KW, CG), y (N, OH, OW, OC), flat; taps DH, DW apart; output channel
+        oc reads the CG input channels of its group, oc // OCG (OCG = OC / groups)."""
         for i in range(cuda.grid(1), y.size, cuda.gridsize(1)):
             oc = i % OC
             r = i // OC
@@ -219,16 +220,17 @@ def _elementwise_kernels(storage: str, activation: Activation, normalization: No
             r //= OW
             oh = r % OH
             n = r // OH
+            c0 = (oc // OCG) * CG
             acc = ZERO
             for kh in range(KH):
-                ih = oh * SH - PH + kh
+                ih = oh * SH - PH + kh * DH
                 if ih >= 0 and ih < H:
                     for kw in range(KW):
-                        iw = ow * SW - PW + kw
+                        iw = ow * SW - PW + kw * DW
                         if iw >= 0 and iw < W:
-                            xb = ((n * H + ih) * W + iw) * C
-                            wb = ((oc * KH + kh) * KW + kw) * C
-                            for c in range(C):
+                            xb = ((n * H + ih) * W + iw) * C + c0
+                            wb = ((oc * KH + kh) * KW + kw) * CG
+                            for c in range(CG):
                                 acc += load(x, xb + c) * load(w, wb + c)
             if has_bias:
                 acc += load(b, oc)
