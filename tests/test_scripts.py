@@ -45,3 +45,13 @@ def test_the_reference_benchmark_runs_on_the_cpu_and_says_where_its_table_comes_
 def test_the_host_overhead_script_runs_in_the_simulator():
     out = run_script(ROOT / "scripts" / "host_overhead_cuda.py", "this", timeout=300).stdout
     assert "this | step | batch_norm |" in out
+
+
+def test_the_networks_benchmark_runs_on_the_cpu_with_the_module_swapped_in(tmp_path):
+    pytest.importorskip("torch")
+    out = run_script(ROOT / "scripts" / "bench_networks.py", "--device", "cpu", "--networks", "nature_dqn",
+                     "--precisions", "strict", "--modes", "eager", "--rounds", "1", "--iters", "1",
+                     "--train-batch", "2", "--out", str(tmp_path), timeout=300).stdout
+    assert "| nature_dqn | train | strict | eager |" in out and "| nature_dqn | act | strict | eager |" in out
+    assert "failed" not in out
+    assert "Made by `python3 scripts/bench_networks.py" in (tmp_path / "bench_networks.md").read_text()

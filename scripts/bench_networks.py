@@ -1,0 +1,247 @@
+"""Whole networks, not layers: each network of shared/BENCH.md ("Whole networks") in plain
+PyTorch and with this library's module swapped in (`conv2d.torch.swap`: the same weights),
+side by side in one process, timed in turns.
+
+    python scripts/bench_networks.py [--device cuda|cpu] [--networks nature_dqn,impala_cnn,cifar_resnet]
+        [--precisions default,strict,bfloat16] [--modes eager,graph,compile,reduce-overhead]
+        [--rounds 5] [--iters 10] [--out DIR]
+
+Rows: the training step (forward, loss, backward, Adam step; the network's training batch)
+and acting (eval, no_grad, batch 1, then a synchronisation). Precisions: "default"
+(float32 with PyTorch's default settings on both sides: cuDNN convolutions in TF32 unless
+`torch.backends.cudnn.allow_tf32` is off, which the module follows), "strict" (float32,
+TF32 off on both sides), "bfloat16". Modes: eager; the whole step captured in
+`torch.cuda.graph` ("graph"); `torch.compile` default ("compile") and
+`mode="reduce-overhead"`. Each cell is the median over `--rounds` rounds, each round
+timing PyTorch then ours for `--iters` calls after warm-up (so both see the machine at the
+same moment); the ratio is ours / PyTorch (below 1: ours is faster). GPU rows time with
+CUDA events (GPU ms) and the wall clock; CPU rows with the wall clock only (modes eager
+and compile). `--out DIR` writes DIR/bench_networks.md with the provenance line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_shapes import provenance  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+# name -> (input (C, H, W), training batch, outputs)
+NETWORKS = {"nature_dqn": ((4, 84, 84), 32, 6), "impala_cnn": ((3, 64, 64), 256, 15),
+            "cifar_resnet": ((3, 32, 32), 128, 10)}
+MODES = ("eager", "graph", "compile", "reduce-overhead")
+PRECISIONS = ("default", "strict", "bfloat16")
+
+
+class Residual(nn.Module):
+    """x + block(x): IMPALA's residual block (ReLU, conv 3x3, ReLU, conv 3x3)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.ReLU(), nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(),
+                                   nn.Conv2d(channels, channels, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x)
+
+
+def network(name: str) -> nn.Module:
+    """The plain PyTorch network `name` (seeded weights)."""
+    torch.manual_seed(0)
+    (c, h, w), _, outputs = NETWORKS[name]
+    if name == "nature_dqn":  # Mnih et al. 2015
+        return nn.Sequential(nn.Conv2d(c, 32, 8, 4), nn.ReLU(), nn.Conv2d(32, 64, 4, 2), nn.ReLU(),
+                             nn.Conv2d(64, 64, 3, 1), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 7 * 7, 512), nn.ReLU(),
+                             nn.Linear(512, outputs))
+    if name == "impala_cnn":  # Espeholt et al. 2018
+        layers: list[nn.Module] = []
+        for out in (16, 32, 32):
+            layers += [nn.Sequential(nn.Conv2d(c, out, 3, padding=1)), nn.MaxPool2d(3, 2, padding=1),
+                       Residual(out), Residual(out)]
+            c = out
+        return nn.Sequential(*layers, nn.Flatten(), nn.ReLU(), nn.Linear(32 * 8 * 8, 256), nn.ReLU(),
+                             nn.Linear(256, outputs))
+    blocks, widths = [], [(c, 64, 1), (64, 64, 1), (64, 64, 1), (64, 128, 2), (128, 128, 1), (128, 128, 1),
+                          (128, 256, 2), (256, 256, 1)]
+    for cin, cout, stride in widths:
+        blocks += [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+    return nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(256, outputs))
+
+
+def models(name: str, device: str, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+    """(PyTorch's network, the same network with the module swapped in), same weights."""
+    from conv2d.torch import swap
+
+    theirs = network(name)
+    ours = swap(copy.deepcopy(theirs))
+    assert any(type(m).__name__ == "Conv2dNormActivation" for m in ours.modules()), name
+    return tuple(m.to(device=device, dtype=dtype, memory_format=torch.channels_last) for m in (theirs, ours))
+
+
+class Timer:
+    """Times `iters` calls of a function: (GPU ms, wall ms) per call on CUDA, (wall, wall) on the CPU."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def __call__(self, run, iters: int) -> tuple[float, float]:
+        self.sync()
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            run()
+        if self.cuda:
+            end.record()
+        self.sync()
+        wall = (time.perf_counter() - t0) * 1e3 / iters
+        return (start.elapsed_time(end) / iters if self.cuda else wall), wall
+
+
+def captured(step, no_grad: bool = False):
+    """`step` in a CUDA graph after three warm-up calls on a side stream (PyTorch's recipe)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.set_grad_enabled(not no_grad):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.set_grad_enabled(not no_grad):
+        step()
+    return graph.replay
+
+
+def training_step(model: nn.Module, mode: str, x: torch.Tensor, target: torch.Tensor):
+    """The step to time: zero the gradients, forward, MSE loss, backward, Adam."""
+    model.train()
+    capturable = mode == "graph"
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, capturable=capturable)
+    run = model
+    if mode in ("compile", "reduce-overhead"):
+        run = torch.compile(model, mode=None if mode == "compile" else mode)
+
+    def step():
+        opt.zero_grad(set_to_none=not capturable)
+        nn.functional.mse_loss(run(x).float(), target).backward()
+        opt.step()
+    return captured(step) if mode == "graph" else step
+
+
+def acting_step(model: nn.Module, mode: str, x: torch.Tensor, timer: Timer):
+    """One action: eval, no_grad, batch 1, then synchronise."""
+    model.eval()
+    run = model
+    if mode in ("compile", "reduce-overhead"):
+        run = torch.compile(model, mode=None if mode == "compile" else mode)
+    if mode == "graph":
+        replay = captured(lambda: model(x), no_grad=True)
+
+        def act():
+            replay()
+            timer.sync()
+        return act
+
+    def act():
+        with torch.no_grad():
+            run(x)
+        timer.sync()
+    return act
+
+
+def compare(name: str, precision: str, mode: str, row: str, args) -> dict | None:
+    """Both sides' median (GPU, wall) ms of `row` ("train" or "act"); None where the mode
+    does not apply (graphs on the CPU)."""
+    device = args.device
+    if device == "cpu" and mode in ("graph", "reduce-overhead"):
+        return None
+    dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
+    if device == "cuda":
+        torch.backends.cudnn.allow_tf32 = precision == "default"
+        torch.backends.cudnn.benchmark = False
+    torch._dynamo.reset()
+    (c, h, w), n, outputs = NETWORKS[name]
+    n = args.train_batch or n
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n if row == "train" else 1, c, h, w, generator=g).to(device=device, dtype=dtype,
+                                                                         memory_format=torch.channels_last)
+    target = torch.randn(n, outputs, generator=g).to(device)
+    timer = Timer(device)
+    steps = {}
+    for side, model in zip(("torch", "ours"), models(name, device, dtype)):
+        steps[side] = (training_step(model, mode, x, target) if row == "train" else acting_step(model, mode, x, timer))
+        for _ in range(3):  # compile, capture, plan, warm caches
+            steps[side]()
+    times = {"torch": [], "ours": []}
+    for _ in range(args.rounds):
+        for side in ("torch", "ours"):
+            times[side].append(timer(steps[side], args.iters))
+    return {side: tuple(statistics.median(t[i] for t in ts) for i in (0, 1)) for side, ts in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    ap.add_argument("--networks", default=",".join(NETWORKS))
+    ap.add_argument("--precisions", default=None, help="default: all three on CUDA; strict,bfloat16 on the CPU")
+    ap.add_argument("--modes", default=None, help="default: all four on CUDA; eager,compile on the CPU")
+    ap.add_argument("--rows", default="train,act")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--train-batch", type=int, default=None, help="instead of each network's training batch")
+    ap.add_argument("--out", default=None, help="a folder to write bench_networks.md into")
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    precisions = (args.precisions or ("default,strict,bfloat16" if cuda else "strict,bfloat16")).split(",")
+    modes = (args.modes or (",".join(MODES) if cuda else "eager,compile")).split(",")
+    for what, given, known in (("precision", precisions, PRECISIONS), ("mode", modes, MODES),
+                               ("network", args.networks.split(","), NETWORKS)):
+        bad = [v for v in given if v not in known]
+        if bad:
+            ap.error(f"unknown {what} {bad}; expected from {list(known)}")
+    gpu_columns = "ours GPU ms | torch GPU ms | ratio | " if cuda else ""
+    head = (f"| network | row | precision | mode | {gpu_columns}ours wall ms | torch wall ms | ratio |\n"
+            f"| --- | --- | --- | --- | {'---: | ' * (6 if cuda else 3)}".rstrip())
+    lines = [head]
+    print(head, flush=True)
+    for name in args.networks.split(","):
+        for row in args.rows.split(","):
+            for precision in precisions:
+                for mode in modes:
+                    try:
+                        got = compare(name, precision, mode, row, args)
+                    except Exception as e:  # a mode that fails is a finding: its row says so
+                        line = f"| {name} | {row} | {precision} | {mode} | failed: {type(e).__name__}: " \
+                               f"{(str(e).splitlines() or [''])[0][:120]} |{' |' * (5 if cuda else 2)}"
+                    else:
+                        if got is None:
+                            continue
+                        (og, ow), (tg, tw) = got["ours"], got["torch"]
+                        gpu = f"{og:.3f} | {tg:.3f} | {og / tg:.2f} | " if cuda else ""
+                        line = f"| {name} | {row} | {precision} | {mode} | {gpu}{ow:.3f} | {tw:.3f} | {ow / tw:.2f} |"
+                    lines.append(line)
+                    print(line, flush=True)
+    if args.out:
+        text = ["# conv2d: whole networks, the module swapped in vs plain PyTorch", "",
+                "Ratios are ours / PyTorch (below 1: ours is faster); medians over rounds timed in turns "
+                "(scripts/bench_networks.py's docstring says how).", "", provenance(cuda), "", *lines, ""]
+        path = Path(args.out) / "bench_networks.md"
+        path.write_text("\n".join(text))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
