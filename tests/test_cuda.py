@@ -872,6 +872,26 @@ def test_the_module_on_the_gpu_takes_pytorchs_options_as_accurately_as_pytorch(c
     _assert_as_accurate_as_pytorch(torch, ours, theirs, tdt, (4, channels[0], 12, 10), training)
 
 
+def test_the_module_on_the_gpu_runs_float32_in_tf32_exactly_when_pytorch_would():
+    """Read at each call: PyTorch's cuDNN TF32 setting, unless backend_options says."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from conv2d.torch import Conv2dNormActivation
+
+    following = Conv2dNormActivation(5, 6, 3, padding=1, device="cuda")
+    strict = Conv2dNormActivation(5, 6, 3, padding=1, device="cuda", backend_options={"allow_tf32": False})
+    x = torch.randn(2, 5, 8, 8, device="cuda").contiguous(memory_format=torch.channels_last)
+    for flag in (True, False):
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=flag):
+            following(x), strict(x)
+        assert following._functions[(x.device, x.dtype, flag)][0].allow_tf32 is flag
+    assert [key[2] for key in strict._functions] == [False]
+    assert strict._functions[(x.device, x.dtype, False)][0].allow_tf32 is False
+    half = Conv2dNormActivation(5, 6, 3, padding=1, device="cuda", dtype=torch.bfloat16)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
+        half(x.bfloat16())
+    assert [key[2] for key in half._functions] == [False]  # TF32 is a float32 matter
+
+
 def test_swap_on_the_gpu_converts_a_depthwise_separable_block_and_trains_as_pytorch():
     torch = pytest.importorskip("torch", reason="torch is not installed")
     from torch import nn
@@ -1188,7 +1208,8 @@ def test_the_ops_on_the_gpu_keep_no_tensor_of_their_calls():
     x = torch.randn(4, 5, 8, 8, device="cuda").contiguous(memory_format=torch.channels_last).requires_grad_()
     running = [m.norm.running_mean.clone(), m.norm.running_var.clone()]  # as functionalisation passes them
     y = ops.Conv2dFunction.apply(
-        x, m.conv.weight, m.conv.bias, m.norm.weight, m.norm.bias, *running, True, True, True, m._op_key)
+        x, m.conv.weight, m.conv.bias, m.norm.weight, m.norm.bias, *running, True, True, True,
+        m._op_keys[False])
     y.sum().backward()
     made = [weakref.ref(t) for t in (x, y, x.grad, *running)]
     del x, y, running

@@ -175,7 +175,7 @@ def test_the_ops_make_their_functions_from_the_key_alone():
     from conv2d.torch import ops
 
     m = module()
-    key = m._op_key
+    key = m._op_keys[False]
     ops._FUNCTIONS.pop(key, None)
     made = ops.functions(key)
     assert made.spec == m.spec and made is ops.functions(key)
@@ -347,3 +347,28 @@ def test_the_numpy_layer_still_takes_a_detached_tensor():
     layer = Conv2d(spec)
     y = layer.evaluate(torch.zeros(2, 5, 5, 3, dtype=F64))
     assert isinstance(y, torch.Tensor) and np.isfinite(y.numpy()).all()
+
+
+@pytest.mark.parametrize("setting, expected", [
+    (dict(allow_tf32=True), True), (dict(allow_tf32=False), False)], ids=["allow_tf32", "no_tf32"])
+def test_the_tf32_choice_follows_pytorchs_cudnn_setting(setting, expected):
+    from conv2d.torch.module import torch_uses_tf32
+
+    with torch.backends.cudnn.flags(enabled=True, **setting):
+        assert torch_uses_tf32() is expected
+
+
+def test_the_tf32_choice_reads_the_fp32_precision_settings_where_torch_has_them():
+    from conv2d.torch.module import torch_uses_tf32
+
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is None or not hasattr(conv, "fp32_precision"):
+        pytest.skip(f"torch {torch.__version__} has no fp32_precision settings")
+    kept = conv.fp32_precision, torch.backends.cudnn.fp32_precision
+    try:
+        for conv_setting, cudnn_setting, expected in (("ieee", "tf32", False), ("tf32", "ieee", True),
+                                                      ("none", "tf32", True), ("none", "none", False)):
+            conv.fp32_precision, torch.backends.cudnn.fp32_precision = conv_setting, cudnn_setting
+            assert torch_uses_tf32() is expected, (conv_setting, cudnn_setting)
+    finally:
+        conv.fp32_precision, torch.backends.cudnn.fp32_precision = kept

@@ -112,6 +112,7 @@ class Functions:
         _check_options(spec, allow_tf32, autotune, fast_paths, kernels, launch_config, evaluate_kernel, max_shapes)
         cuda = numba_cuda() if convolutions is not None else require_gpu()
         self.cuda, self.spec = cuda, spec
+        self.allow_tf32 = allow_tf32
         own = as_stream(cuda, stream)
         self.relu_fusion = spec.normalization is Normalization.NONE and spec.activation is Activation.RELU
         handle = None

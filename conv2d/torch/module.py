@@ -130,6 +130,10 @@ class Conv2dNormActivation(nn.Module):
     keeps no device tensors from step to step repeats its addresses). Not used inside a
     caller's capture (`torch.cuda.graph`: the launches go into it) nor under
     torch.compile. `graph_counts()` says how the calls went.
+    Float32 convolutions on CUDA run in TF32 exactly when PyTorch would run its own
+    (`torch_uses_tf32`: `torch.backends.cudnn.allow_tf32` or the `fp32_precision`
+    settings, read at each call; cuDNN's deterministic plans either way), unless
+    `backend_options` gives `allow_tf32`.
     `backend_options`: a dict of the CUDA backend's options (e.g. {"allow_tf32": True};
     `conv2d.backend.OPTIONS["cuda"]` lists them), checked here; CPU tensors run on the
     reference backend, which has none. `batch_invariant`: LayerSpec's (a sample's results
@@ -247,33 +251,46 @@ class Conv2dNormActivation(nn.Module):
                 total[k] += v
         return total
 
-    def _functions_for(self, x: torch.Tensor) -> tuple[Any, Any]:
+    def _tf32(self, x: torch.Tensor) -> bool:
+        """Whether this call's float32 convolutions may use TF32: the backend option
+        `allow_tf32` if given, else what PyTorch would do for its own convolutions now
+        (`torch_uses_tf32`); False off CUDA and for other dtypes."""
+        if not x.is_cuda or x.dtype != torch.float32:
+            return False
+        given = self.backend_options.get("allow_tf32")
+        return given if given is not None else torch_uses_tf32()
+
+    def _options(self, backend: str, tf32: bool) -> dict[str, Any]:
+        return {**self.backend_options, "allow_tf32": tf32} if backend == "cuda" else {}
+
+    def _functions_for(self, x: torch.Tensor, tf32: bool) -> tuple[Any, Any]:
         """(the backend's functions, their CallGraphs or None) for x's device and dtype
-        (made once), for the eager path."""
-        key = (x.device, x.dtype)
+        and the TF32 choice (made once each), for the eager path."""
+        key = (x.device, x.dtype, tf32)
         found = self._functions.get(key)
         if found is not None:
             return found
         backend = "cuda" if x.is_cuda else "reference"
         spec = self._spec_for(_DTYPES[x.dtype])
         if backend == "cuda":
-            fn, graphs = _cuda_functions(spec, x.device, self.backend_options)
+            fn, graphs = _cuda_functions(spec, x.device, self._options(backend, tf32))
         else:
             fn, graphs = make_functions(backend, spec), None
-        if self._op_key.startswith("object:"):  # options that are no JSON value: these functions
-            ops.register(self._op_key, fn)
+        op_key = self._op_keys[tf32]
+        if op_key.startswith("object:"):  # options that are no JSON value: these functions
+            ops.register(op_key, fn)
         found = self._functions[key] = (fn, graphs)
         return found
 
     def _refresh_op_key(self) -> None:
-        """The ops' name for the functions of the module's device, dtype and spec (the ops
-        make them from it), computed here rather than in a traced forward: torch.compile
-        cannot trace the JSON it is made of without a graph break."""
+        """The ops' names for the functions of the module's device, dtype and spec, strict
+        and with TF32 (the ops make them from it), computed here rather than in a traced
+        forward: torch.compile cannot trace the JSON it is made of without a graph break."""
         w = self.conv.weight
         backend = "cuda" if w.is_cuda else "reference"
         dtype = _DTYPES.get(w.dtype, DType.FLOAT32)  # another dtype is refused at the call
-        self._op_key = ops.key_for(backend, self._spec_for(dtype), w.device,
-                                   self.backend_options if backend == "cuda" else {})
+        self._op_keys = {tf32: ops.key_for(backend, self._spec_for(dtype), w.device, self._options(backend, tf32))
+                         for tf32 in (False, True)}
 
     def fold_batch_norm(self) -> "Conv2dNormActivation":
         """A new module for inference, in eval mode, on the same device, dtype and layout:
@@ -377,7 +394,7 @@ class Conv2dNormActivation(nn.Module):
             kept = running_mean, running_var
             running_mean, running_var = norm.batch_buffers()
         if type(x) is torch.Tensor and type(weight) in _PLAIN and not torch.compiler.is_compiling():
-            fn, graphs = self._functions_for(x)
+            fn, graphs = self._functions_for(x, self._tf32(x))
             if weight.is_contiguous(memory_format=torch.channels_last):
                 params, running, ptrs = self._views.get(weight, bias, gamma, beta, running_mean, running_var)
             else:
@@ -399,7 +416,8 @@ class Conv2dNormActivation(nn.Module):
             # graph trees reported overwritten (the weight's, then x's).
             w = weight.contiguous(memory_format=torch.channels_last)
             y = ops.Conv2dFunction.apply(x, w, bias, gamma, beta, running_mean, running_var, training,
-                                         self._spec.batch_statistics(training), nchw, self._op_key)
+                                         self._spec.batch_statistics(training), nchw,
+                                         self._op_keys[self._tf32(x)])
             return self._counted(y, running_mean, training, kept if cumulative else None)
         return self._counted(y.permute(0, 3, 1, 2) if nchw else y, running_mean, training,
                              kept if cumulative else None)
@@ -418,6 +436,24 @@ class Conv2dNormActivation(nn.Module):
                     for running, new in zip(cumulative, batch):
                         running.lerp_(new, tracked.reciprocal().to(running.dtype))
         return y
+
+
+def torch_uses_tf32() -> bool:
+    """Whether PyTorch runs its own float32 cuDNN convolutions in TF32 now. Where the
+    installed torch has the `fp32_precision` settings: the first of
+    `torch.backends.cudnn.conv`'s, `torch.backends.cudnn`'s and `torch.backends`' that is
+    not "none" ("tf32": yes, "ieee": no; all "none": no, as the legacy
+    `allow_tf32 = False` leaves them). Else the legacy `torch.backends.cudnn.allow_tf32`
+    (which newer torch refuses to read once the two APIs were mixed)."""
+    cudnn = torch.backends.cudnn
+    conv = getattr(cudnn, "conv", None)
+    if conv is None or not hasattr(conv, "fp32_precision"):
+        return bool(cudnn.allow_tf32)
+    for holder in (conv, cudnn, torch.backends):
+        precision = getattr(holder, "fp32_precision", "none")
+        if precision != "none":
+            return precision == "tf32"
+    return False
 
 
 def _layer_momentum(momentum: float | None) -> float:
