@@ -38,10 +38,13 @@ def test_a_short_breakout_run_acts_trains_and_reports_its_return_curve(capsys, t
     pytest.importorskip("minatar", reason="MinAtar (the demo extra) is not installed")
     pytest.importorskip("matplotlib", reason="matplotlib (the plot extra) is not installed")
     path = tmp_path / "breakout.png"
-    assert main(["demo", "--task", "breakout", "--quiet", "--steps", "400", "--target", "0",
+    assert main(["demo", "--task", "breakout", "--quiet", "--steps", "400", "--seeds", "2", "--target", "0",
                  "--plot", str(path)]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("demo: breakout mean return of the last 50 episodes") and "400 steps" in last
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[1] for line in lines[-3:-1]] == [" seed 0", " seed 1"]
+    last = lines[-1]
+    assert last.startswith("demo: breakout mean return of the last 200 episodes, averaged over 2 seed(s)")
+    assert "400 steps a seed" in last
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
