@@ -133,7 +133,7 @@ _REGISTRY: dict[str, str | Callable[..., Functions]] = {
 OPTIONS: dict[str, tuple[str, ...]] = {
     "reference": (),
     "cuda": ("stream", "allow_tf32", "autotune", "convolutions", "max_shapes", "fast_paths", "kernels",
-             "launch_config", "evaluate_kernel"),
+             "launch_config", "evaluate_kernel", "depthwise_kernel"),
 }
 
 

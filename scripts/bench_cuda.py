@@ -162,9 +162,10 @@ def torch_nchw(a: np.ndarray, spec):
 
 
 def ours(spec, x_host, dy_host, iters: int, eager: bool = True, autotune: bool = False, planned=None,
-         allow_tf32: bool = False) -> dict:
-    """Our step on x_host, dy_host; the layer is planned for `planned` (a spec; default `spec`)."""
-    layer, ours_timed = our_layer(planned or spec, autotune=autotune, allow_tf32=allow_tf32)
+         allow_tf32: bool = False, **options) -> dict:
+    """Our step on x_host, dy_host; the layer is planned for `planned` (a spec; default
+    `spec`); `options`: more of the backend's."""
+    layer, ours_timed = our_layer(planned or spec, autotune=autotune, allow_tf32=allow_tf32, **options)
     x, dy = on_device(layer, x_host, dy_host)
     out = {}
     if eager:
@@ -379,6 +380,12 @@ def main() -> None:
                    "| shape | norm | dtype | N | ours eager wall | torch eager wall | ratio | ours graph GPU "
                    "| torch graph GPU | ratio |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     second_lines = []
+    depthwise_head = ["", "## Depthwise layers through the numba kernels (depthwise_kernel=\"numba\") beside cuDNN's "
+                      "graph and PyTorch", "",
+                      "| shape | norm | dtype | numba eager wall | cuDNN eager wall | torch eager wall | numba / torch "
+                      "| numba graph GPU | cuDNN graph GPU | torch graph GPU | numba / torch |",
+                      "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    depthwise_lines = []
     module_head = ["", "## The PyTorch module (conv2d.torch.Conv2dNormActivation) in a PyTorch step, beside "
                    "PyTorch's Sequential (channels_last; heuristic plans; timed in turns, median of 3 rounds)", "",
                    "(module: the default, eager calls replayed as CUDA graphs where the addresses repeat; "
@@ -441,10 +448,19 @@ def main() -> None:
         lines.append(line)
         tuned_lines.append(tuned)
         print(line, "\n" + tuned, "\n" + second, flush=True)
+        if spec.groups > 1 and spec.groups == spec.in_channels:
+            o_dw = ours(spec, x, dy, args.iters, depthwise_kernel="numba")
+            depthwise = (case + f"| {o_dw['eager'][1]:.3f} | {o['eager'][1]:.3f} | {t['eager'][1]:.3f} "
+                         f"| {o_dw['eager'][1] / t['eager'][1]:.2f} | {o_dw['graph'][0]:.3f} | {o['graph'][0]:.3f} "
+                         f"| {t['graph'][0]:.3f} | {o_dw['graph'][0] / t['graph'][0]:.2f} |")
+            depthwise_lines.append(depthwise)
+            print(depthwise, flush=True)
     if not args.no_steps:
         if not args.no_tuned:
             lines += tuned_head + tuned_lines
         lines += second_head + second_lines
+        if depthwise_lines:
+            lines += depthwise_head + depthwise_lines
     if not args.no_module:
         lines += module_head + module_lines
     if not args.no_acting:

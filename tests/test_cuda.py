@@ -407,6 +407,31 @@ def test_a_captured_step_replays_bitwise_like_eager_steps(norm, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("norm", NORMS)
+def test_the_numba_depthwise_kernels_on_the_gpu_agree_with_cudnn_and_replay_bitwise(norm, dtype):
+    """depthwise_kernel="numba": the step within the tolerance of cuDNN's depthwise graph,
+    and a captured step bitwise as the eager ones (a multiplier of 2, 'same', dilation)."""
+    spec = LayerSpec(batch_size=4, in_height=12, in_width=10, in_channels=8, out_channels=16, kernel=3,
+                     padding="same", dilation=2, groups=8, activation="relu", normalization=norm, dtype=dtype)
+    x, dy = random_inputs(spec)
+    st = storage_dtype(spec.dtype)
+    numba_layer = make_layer(spec, backend="cuda", depthwise_kernel="numba")
+    cudnn_layer = make_layer(spec, backend="cuda")
+    captured = make_layer(spec, backend="cuda", depthwise_kernel="numba")
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    got, want = step(numba_layer, x, dy), step(cudnn_layer, x, dy)
+    for name, a, b in zip(("y", "d_x"), got[:2], want[:2]):
+        np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=tol, atol=tol, err_msg=name)
+    xc, dyc = _device_pair(spec, x, dy)
+    graph = captured.capture(xc, dyc)
+    graph.replay()
+    np.testing.assert_array_equal(to_host(graph.outputs["y"], st).view(np.uint8), got[0].view(np.uint8))
+    np.testing.assert_array_equal(to_host(graph.outputs["d_x"], st).view(np.uint8), got[1].view(np.uint8))
+    for k, g in captured.grad_dict().items():
+        np.testing.assert_array_equal(g.view(np.uint8), got[2][k].view(np.uint8), err_msg=k)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("norm", NORMS)
 def test_a_captured_training_step_with_adam_replays_bitwise_like_eager_steps(norm, dtype):
     """zero_gradient, forward, backward_full and the optimizer's step in one graph: three
     replays leave weights, statistics, moments and step count bitwise as three eager steps

@@ -15,6 +15,7 @@ from conv2d import Conv2d  # noqa: E402
 from conv2d.cuda import kernels as K  # noqa: E402
 from conv2d.cuda.runtime import numba_cuda  # noqa: E402
 from conv2d.arrays import to_host  # noqa: E402
+from conv2d.dtypes import storage_dtype  # noqa: E402
 from conv2d.backend import not_taken  # noqa: E402
 from conv2d.testing.golden import MODES, check_case, golden_files, load_case, run_case  # noqa: E402
 from host_convolutions import HostConvolutions  # noqa: E402
@@ -404,3 +405,44 @@ def test_the_padding_kernels_are_the_references_pad_and_its_adjoint(mode, pads):
                           wp)
     np.testing.assert_allclose(d_x.copy_to_host().reshape(x.shape), conv.unpad(d_xp, pads, mode, (h, w)),
                                rtol=1e-6, atol=1e-6)
+
+
+DEPTHWISE_CASES = {"plain": dict(), "stride2_valid": dict(stride=2, padding=0),
+                   "multiplier2_same_dilated": dict(out_channels=8, padding="same", dilation=2),
+                   "reflect_asymmetric": dict(padding=((1, 2), (0, 1)), padding_mode="reflect", kernel=(3, 2)),
+                   "layer_norm_no_bias": dict(bias=False, normalization="layer_norm", activation="silu")}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", list(DEPTHWISE_CASES))
+def test_the_numba_depthwise_convolutions_match_the_reference(case, dtype):
+    """depthwise_kernel="numba": forward, evaluate, d_x and every gradient as the
+    reference's within the dtype's tolerance (kernels/depthwise.py, no cuDNN)."""
+    spec = LayerSpec(**{**dict(batch_size=3, in_height=7, in_width=6, in_channels=4, out_channels=4, kernel=3,
+                               padding=1, groups=4, activation="relu", dtype=dtype), **DEPTHWISE_CASES[case]})
+    ours = make_layer(spec, backend="cuda", depthwise_kernel="numba")
+    ref = make_layer(spec, backend="reference")
+    ref.load_state_dict(ours.state_dict())
+    x, dy = random_inputs(spec)
+    assert ours.functions.conv_plans == dict.fromkeys(("forward", "backward_data", "backward_filter"),
+                                                      "numba depthwise")
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    st = storage_dtype(spec.dtype)
+
+    def close(got, want, what):
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=tol, atol=tol,
+                                   err_msg=what)
+    close(to_host(ours.forward(x), st), ref.forward(x), "y")
+    close(to_host(ours.backward_full(x, dy), st), ref.backward_full(x, dy), "d_x")
+    for k, g in ref.grad_dict().items():
+        close(ours.grad_dict()[k], g, k)
+    close(to_host(ours.evaluate(x), st), ref.evaluate(x), "evaluate")
+
+
+def test_the_numba_depthwise_convolutions_refuse_a_layer_that_is_not_depthwise():
+    spec = LayerSpec(batch_size=2, in_height=5, in_width=5, in_channels=4, out_channels=4, kernel=3, groups=2)
+    with pytest.raises(ValueError, match=r"^depthwise_kernel: 'numba' takes depthwise layers \(groups == "
+                                         r"in_channels\), got groups=2 with in_channels=4"):
+        Conv2d(spec, "cuda", depthwise_kernel="numba")
+    with pytest.raises(ValueError, match="^depthwise_kernel: expected 'cudnn' or 'numba', got 'fast'"):
+        Conv2d(spec, "cuda", depthwise_kernel="fast", convolutions=HostConvolutions)

@@ -43,8 +43,9 @@ from conv2d.cuda.kernels.padding import padding_kernels
 from conv2d.cuda.launch import Launch, Launcher, device_pointer
 from conv2d.cuda.memory import OutputAllocator, Outputs
 from conv2d.cuda.plans import Saved, ShapePlan, ShapePlans, convolution_spec
+from conv2d.cuda.depthwise import DepthwiseConvolutions, is_depthwise
 from conv2d.cuda.runtime import (as_stream, device_dtype, from_device_bits, numba_cuda, require_gpu, same_stream,
-                                 stream_handle, to_device_bits, zero_fill)
+                                 simulating, stream_handle, to_device_bits, zero_fill)
 from conv2d.cuda.streams import Streams
 from conv2d.dtypes import storage_dtype
 from conv2d.spec import Activation, DType, LayerSpec, Normalization
@@ -54,7 +55,7 @@ __all__ = ["Functions", "Saved"]
 
 
 def _check_options(spec: LayerSpec, allow_tf32: bool, autotune: bool, fast_paths: bool, kernels: str,
-                   launch_config: Any, evaluate_kernel: str, max_shapes: int) -> None:
+                   launch_config: Any, evaluate_kernel: str, max_shapes: int, depthwise_kernel: str) -> None:
     if spec.dtype is DType.FLOAT64:
         raise ValueError("dtype: float64 is the reference backend's oracle type; the CUDA backend takes "
                          "float32, float16 or bfloat16")
@@ -72,6 +73,11 @@ def _check_options(spec: LayerSpec, allow_tf32: bool, autotune: bool, fast_paths
     if evaluate_kernel == "direct" and not spec.bn_track_running_stats:
         raise ValueError("evaluate_kernel: 'direct' normalises with running statistics; this batch norm has "
                          "none (bn_track_running_stats=False) and needs the batch's first (use 'cudnn')")
+    if depthwise_kernel not in ("cudnn", "numba"):
+        raise ValueError(f"depthwise_kernel: expected 'cudnn' or 'numba', got {depthwise_kernel!r}")
+    if depthwise_kernel == "numba" and not is_depthwise(spec):
+        raise ValueError(f"depthwise_kernel: 'numba' takes depthwise layers (groups == in_channels), got groups="
+                         f"{spec.groups} with in_channels={spec.in_channels}")
     if kernels not in ("fast", "simple"):
         raise ValueError(f"kernels: expected 'fast' or 'simple', got {kernels!r}")
     if not isinstance(launch_config, K.LaunchConfig):
@@ -88,7 +94,8 @@ class Functions:
     def __init__(self, spec: LayerSpec, stream: Any = None, allow_tf32: bool = False, autotune: bool = False,
                  convolutions: Callable[[LayerSpec], Any] | None = None, max_shapes: int = 8,
                  fast_paths: bool = True, kernels: str = "fast",
-                 launch_config: K.LaunchConfig = K.DEFAULT_CONFIG, evaluate_kernel: str = "cudnn") -> None:
+                 launch_config: K.LaunchConfig = K.DEFAULT_CONFIG, evaluate_kernel: str = "cudnn",
+                 depthwise_kernel: str = "cudnn") -> None:
         """`stream`: the caller's stream (numba, torch or cupy stream, or a CUstream int);
         by default a new one, and torch's current stream for torch tensors. `allow_tf32`:
         let float32 convolutions use TF32 tensor cores. `autotune`: time every
@@ -108,15 +115,20 @@ class Functions:
         activation kernels) or "direct" (one kernel that sums the convolution itself and
         applies the norm and activation: for acting at small N, where launches and cuDNN's
         execute cost more than the math; no norm or batch norm). The two agree within the
-        tolerance, not bitwise (another summation order); each is deterministic."""
-        _check_options(spec, allow_tf32, autotune, fast_paths, kernels, launch_config, evaluate_kernel, max_shapes)
-        cuda = numba_cuda() if convolutions is not None else require_gpu()
+        tolerance, not bitwise (another summation order); each is deterministic.
+        `depthwise_kernel`: for a depthwise layer, "cudnn" (default) or "numba" (the three
+        convolutions by depthwise.py's kernels, no cuDNN; they also run in numba's
+        simulator)."""
+        _check_options(spec, allow_tf32, autotune, fast_paths, kernels, launch_config, evaluate_kernel, max_shapes,
+                       depthwise_kernel)
+        own_convolutions = convolutions is None and depthwise_kernel == "numba"
+        cuda = numba_cuda() if convolutions is not None or (own_convolutions and simulating()) else require_gpu()
         self.cuda, self.spec = cuda, spec
         self.allow_tf32 = allow_tf32
         own = as_stream(cuda, stream)
         self.relu_fusion = spec.normalization is Normalization.NONE and spec.activation is Activation.RELU
         handle = None
-        if convolutions is None:
+        if convolutions is None and not own_convolutions:
             handle = cudnn.create_handle(stream_handle(own))
             # Closes over the stream, not self: no reference cycle, so a dropped layer's
             # device memory goes back when its last reference does, not when the garbage
@@ -127,6 +139,9 @@ class Functions:
                                                         allow_tf32, relu_fusion, autotune, fast_paths)
         self._handle = handle
         self.streams = Streams(cuda, own, stream is not None, handle)
+        if own_convolutions:
+            launcher = Launcher(self.streams.current_stream, fast_paths)  # the streams' method: no cycle via self
+            convolutions = lambda s: DepthwiseConvolutions(cuda, s, launcher)  # noqa: E731
         self.fast_paths, self.kernels, self.evaluate_kernel = fast_paths, kernels, evaluate_kernel
         # Row-kernel threads keep `lanes` channels read with one 8-byte load; d_y that is
         # not 8-byte aligned (a caller's offset view) is read one value at a time by the

@@ -130,6 +130,9 @@ class ShapePlan:
         """Let the prepared launches go of the caller's arrays of their last call."""
         for launch in self.launches.values():
             launch.release()
+        release = getattr(self.conv, "release", None)  # convolutions with launches of their own
+        if release is not None:
+            release()
 
 
 class ShapePlans:

@@ -1,0 +1,78 @@
+"""A depthwise layer's three convolutions through numba kernels (kernels/depthwise.py)
+instead of cuDNN: the backend option `depthwise_kernel="numba"`, for layers with groups ==
+in_channels. Same methods as `cudnn.Convolutions` (the steps call either alike); the
+launches are prepared once per input shape and run on the layer's current stream, so
+they are captured in CUDA graphs like the other kernels.
+
+cuDNN's depthwise graphs measured 1.4-2.6x PyTorch's training step on the MobileNetV2
+shape (docs/bench_cuda.md); these kernels are the simple ones, one thread a value, not
+yet timed on a GPU: the default stays cuDNN until they are measured against it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from conv2d.cuda import kernels as K
+from conv2d.cuda.kernels.depthwise import depthwise_kernels
+from conv2d.cuda.launch import Launcher, LaunchKey
+from conv2d.spec import LayerSpec
+
+# Blocks of the weight gradient's first phase: each sums every P-th row (n, oh, ow).
+MAX_PARTIAL_BLOCKS = 256
+
+
+def is_depthwise(spec: LayerSpec) -> bool:
+    return spec.groups > 1 and spec.groups == spec.in_channels
+
+
+class DepthwiseConvolutions:
+    """The convolutions of one input shape (`spec`, zero padding: cuDNN's convolution
+    spec), launched by `launch` (the layer's Launcher)."""
+
+    def __init__(self, cuda: Any, spec: LayerSpec, launch: Launcher) -> None:
+        if not is_depthwise(spec):
+            raise ValueError(f"depthwise_kernel: 'numba' takes depthwise layers (groups == in_channels), got groups="
+                             f"{spec.groups} with in_channels={spec.in_channels}")
+        self.spec, self._launch = spec, launch
+        self._kernels = depthwise_kernels(spec.dtype.value)
+        n, h, w, c = spec.input_shape
+        _, oh, ow, oc = spec.output_shape
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = spec.kernel, spec.stride, spec.padding, spec.dilation
+        self._geometry = {"H": h, "W": w, "C": c, "OH": oh, "OW": ow, "OC": oc, "KH": kh, "KW": kw, "SH": sh,
+                          "SW": sw, "PH": ph, "PW": pw, "DH": dh, "DW": dw, "M": oc // c}
+        self._rows = n * oh * ow
+        self._P = max(1, min(MAX_PARTIAL_BLOCKS, self._rows // 64))
+        self._taps = oc * kh * kw
+        self._partials = cuda.device_array(self._P * self._taps, np.float32)
+        self._dummy = cuda.device_array(1, np.float32)
+        self._launches: dict = {}
+        self._sizes = {"y": n * oh * ow * oc, "x": n * h * w * c}
+        self.plans = {"forward": "numba depthwise", "backward_data": "numba depthwise",
+                      "backward_filter": "numba depthwise"}
+
+    def release(self) -> None:
+        """Let the prepared launches go of the caller's arrays of their last call."""
+        for launch in self._launches.values():
+            launch.release()
+
+    def forward(self, x: Any, w: Any, b: Any, y: Any, relu: bool = False) -> None:
+        self._launch(self._launches, LaunchKey("depthwise_forward", fixed=(("relu", relu),)), self._kernels[0],
+                     *K.elementwise_grid(self._sizes["y"]),
+                     {**self._geometry, "has_bias": b is not None, "relu": relu},
+                     x=x, w=w, b=self._dummy if b is None else b, y=y)
+
+    def backward_data(self, d_z: Any, w: Any, d_x: Any) -> None:
+        self._launch(self._launches, LaunchKey("depthwise_backward_data"), self._kernels[1],
+                     *K.elementwise_grid(self._sizes["x"]), self._geometry, d_z=d_z, w=w, d_x=d_x)
+
+    def backward_filter(self, x: Any, d_z: Any, d_w: Any) -> None:
+        self._launch(self._launches, LaunchKey("depthwise_weight_partials"), self._kernels[2], self._P, K.WARP * 4,
+                     {**self._geometry, "partials": self._partials, "ROWS": self._rows, "P": self._P}, x=x, d_z=d_z)
+        g = self._geometry
+        self._launch(self._launches, LaunchKey("depthwise_weight_sum"), self._kernels[3],
+                     *K.elementwise_grid(self._taps),
+                     {"partials": self._partials, "P": self._P, "OC": g["OC"], "KH": g["KH"], "KW": g["KW"]},
+                     d_w=d_w)

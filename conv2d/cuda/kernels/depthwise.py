@@ -1,0 +1,119 @@
+"""Depthwise convolutions (groups == in_channels) as numba kernels, beside cuDNN's: the
+three convolutions of a depthwise layer (reference: conv.conv_forward, conv_backward_data,
+conv_backward_filter with groups = C), for `depthwise_kernel="numba"`
+(conv2d/cuda/depthwise.py). These are the simple kernels, one thread a value, every sum
+in a fixed order (no atomics): bitwise deterministic, whatever the batch.
+
+x (N, H, W, C), w (OC, KH, KW, 1) with OC = C * M (the channel multiplier M: output
+channel oc reads input channel oc // M), y and d_z (N, OH, OW, OC); flat, NHWC, in the
+storage format; sums in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from conv2d.cuda.kernels.activation import ZERO
+from conv2d.cuda.kernels.bits import storage_io
+from conv2d.cuda.runtime import numba_cuda
+
+cuda = numba_cuda()
+
+
+@functools.lru_cache(maxsize=None)
+def depthwise_kernels(storage: str) -> tuple:
+    """(forward, backward_data, backward_filter_partials, backward_filter_sum) for
+    storage format `storage`."""
+    io = storage_io(storage)
+    load, store = io.load, io.store
+
+    @cuda.jit
+    def forward(x, w, b, has_bias, relu, y, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M):
+        """y = conv(x, w) (+ b) (then ReLU with `relu`): one thread an output value, taps
+        in order (kh, then kw)."""
+        for i in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+            oc = i % OC
+            r = i // OC
+            ow = r % OW
+            r //= OW
+            oh = r % OH
+            n = r // OH
+            c = oc // M
+            acc = ZERO
+            for kh in range(KH):
+                ih = oh * SH - PH + kh * DH
+                if ih >= 0 and ih < H:
+                    for kw in range(KW):
+                        iw = ow * SW - PW + kw * DW
+                        if iw >= 0 and iw < W:
+                            acc += load(x, ((n * H + ih) * W + iw) * C + c) * load(w, (oc * KH + kh) * KW + kw)
+            if has_bias:
+                acc += load(b, oc)
+            if relu and acc < ZERO:
+                acc = ZERO
+            store(y, i, acc)
+
+    @cuda.jit
+    def backward_data(d_z, w, d_x, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M):
+        """d_x[n, ih, iw, c] = sum over the M output channels of c and the taps whose
+        window covers (ih, iw) of d_z * w: one thread an input value (a gather, no
+        atomics), in order (m, kh, kw)."""
+        for i in range(cuda.grid(1), d_x.size, cuda.gridsize(1)):
+            c = i % C
+            r = i // C
+            iw = r % W
+            r //= W
+            ih = r % H
+            n = r // H
+            acc = ZERO
+            for m in range(M):
+                oc = c * M + m
+                for kh in range(KH):
+                    th = ih + PH - kh * DH
+                    if th >= 0 and th % SH == 0 and th // SH < OH:
+                        oh = th // SH
+                        for kw in range(KW):
+                            tw = iw + PW - kw * DW
+                            if tw >= 0 and tw % SW == 0 and tw // SW < OW:
+                                ow = tw // SW
+                                acc += load(d_z, ((n * OH + oh) * OW + ow) * OC + oc) * load(w, (oc * KH + kh) * KW + kw)
+            store(d_x, i, acc)
+
+    @cuda.jit
+    def backward_filter_partials(x, d_z, partials, ROWS, P, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW,
+                                 M):
+        """Phase one of d_w[oc, kh, kw] = sum over (n, oh, ow) of d_z * x: block p sums
+        the rows (n, oh, ow) p, p + P, p + 2P, ... in order into partials[p, j], j = tap *
+        OC + oc (consecutive threads, consecutive channels)."""
+        p = cuda.blockIdx.x
+        for j in range(cuda.threadIdx.x, OC * KH * KW, cuda.blockDim.x):
+            oc = j % OC
+            tap = j // OC
+            kh = tap // KW
+            kw = tap % KW
+            c = oc // M
+            acc = ZERO
+            for row in range(p, ROWS, P):
+                ow = row % OW
+                r = row // OW
+                oh = r % OH
+                n = r // OH
+                ih = oh * SH - PH + kh * DH
+                iw = ow * SW - PW + kw * DW
+                if ih >= 0 and ih < H and iw >= 0 and iw < W:
+                    acc += load(d_z, row * OC + oc) * load(x, ((n * H + ih) * W + iw) * C + c)
+            partials[p * OC * KH * KW + j] = acc
+
+    @cuda.jit
+    def backward_filter_sum(partials, P, d_w, OC, KH, KW):
+        """Phase two: d_w[oc, kh, kw] = the partials of its j summed over p in order,
+        stored once."""
+        for j in range(cuda.grid(1), OC * KH * KW, cuda.gridsize(1)):
+            acc = ZERO
+            for p in range(P):
+                acc += partials[p * OC * KH * KW + j]
+            oc = j % OC
+            tap = j // OC
+            store(d_w, oc * KH * KW + tap, acc)
+
+    return forward, backward_data, backward_filter_partials, backward_filter_sum
