@@ -55,3 +55,12 @@ def test_the_networks_benchmark_runs_on_the_cpu_with_the_module_swapped_in(tmp_p
     assert "| nature_dqn | train | strict | eager |" in out and "| nature_dqn | act | strict | eager |" in out
     assert "failed" not in out
     assert "Made by `python3 scripts/bench_networks.py" in (tmp_path / "bench_networks.md").read_text()
+
+
+def test_the_accuracy_script_runs_on_the_cpu_stage_by_stage():
+    pytest.importorskip("torch")
+    out = run_script(ROOT / "scripts" / "accuracy_cuda.py", "--device", "cpu", "--shapes", "tiny_latency",
+                     timeout=300).stdout
+    for stage in ("conv forward", "conv backward-data", "conv backward-filter", "batch norm forward (y)",
+                  "batch norm backward (d_z)", "gamma gradient", "beta gradient", "bias gradient (sum of d_z)"):
+        assert f"| tiny_latency | {stage} |" in out
