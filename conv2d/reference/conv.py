@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from conv2d.reference.norm import wide_sum
+
 
 Pads = tuple[tuple[int, int], tuple[int, int]]
 # PyTorch's padding modes as NumPy's np.pad names them.
@@ -180,4 +182,4 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
 
 def bias_backward(d_z: np.ndarray) -> np.ndarray:
     """d_b[oc] = sum_{n, oh, ow} d_z[n, oh, ow, oc], (OC,)."""
-    return d_z.reshape(-1, d_z.shape[-1]).sum(axis=0)
+    return wide_sum(d_z.reshape(-1, d_z.shape[-1]), 0)
