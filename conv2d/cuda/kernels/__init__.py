@@ -8,6 +8,8 @@
 - `fast.py`: the fast set, the same steps fused where fusion pays, each kernel named for
   the steps it fuses, tested against the simple set (tests/test_cuda_kernels.py);
 - `rows.py`: the row engine under fast.py's four per-value kernels;
+- `layout.py`: where a flat NHWC index points;
+- `depthwise.py`: depthwise convolutions (groups == in_channels) beside cuDNN's;
 - `padding.py`: padding modes other than zeros (the input padded before cuDNN, and the
   adjoint for the input gradient);
 - `config.py`: the fast kernels' launch shapes and tuned settings (`LaunchConfig`).

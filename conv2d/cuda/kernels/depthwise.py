@@ -15,6 +15,7 @@ import functools
 
 from conv2d.cuda.kernels.activation import ZERO
 from conv2d.cuda.kernels.bits import storage_io
+from conv2d.cuda.kernels.layout import nhwc_position, window_sum_function
 from conv2d.cuda.runtime import numba_cuda
 
 cuda = numba_cuda()
@@ -26,27 +27,15 @@ def depthwise_kernels(storage: str) -> tuple:
     storage format `storage`."""
     io = storage_io(storage)
     load, store = io.load, io.store
+    window_sum = window_sum_function(storage)
 
     @cuda.jit
     def forward(x, w, b, has_bias, relu, y, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M):
         """y = conv(x, w) (+ b) (then ReLU with `relu`): one thread an output value, taps
         in order (kh, then kw)."""
         for i in range(cuda.grid(1), y.size, cuda.gridsize(1)):
-            oc = i % OC
-            r = i // OC
-            ow = r % OW
-            r //= OW
-            oh = r % OH
-            n = r // OH
-            c = oc // M
-            acc = ZERO
-            for kh in range(KH):
-                ih = oh * SH - PH + kh * DH
-                if ih >= 0 and ih < H:
-                    for kw in range(KW):
-                        iw = ow * SW - PW + kw * DW
-                        if iw >= 0 and iw < W:
-                            acc += load(x, ((n * H + ih) * W + iw) * C + c) * load(w, (oc * KH + kh) * KW + kw)
+            n, oh, ow, oc = nhwc_position(i, OH, OW, OC)
+            acc = window_sum(x, w, n, oh, ow, oc, H, W, C, KH, KW, SH, SW, PH, PW, DH, DW, 1, M)
             if has_bias:
                 acc += load(b, oc)
             if relu and acc < ZERO:
@@ -59,12 +48,7 @@ def depthwise_kernels(storage: str) -> tuple:
         window covers (ih, iw) of d_z * w: one thread an input value (a gather, no
         atomics), in order (m, kh, kw)."""
         for i in range(cuda.grid(1), d_x.size, cuda.gridsize(1)):
-            c = i % C
-            r = i // C
-            iw = r % W
-            r //= W
-            ih = r % H
-            n = r // H
+            n, ih, iw, c = nhwc_position(i, H, W, C)
             acc = ZERO
             for m in range(M):
                 oc = c * M + m

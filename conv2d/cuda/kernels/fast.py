@@ -41,6 +41,7 @@ from conv2d.activations import Activation
 from conv2d.cuda.kernels.activation import ONE, ZERO
 from conv2d.cuda.kernels.bits import storage_io
 from conv2d.cuda.kernels.config import DEFAULT_CONFIG, SEG_THREADS, WARP, LaunchConfig
+from conv2d.cuda.kernels.layout import nhwc_position, window_sum_function
 from conv2d.cuda.kernels.rows import (GRAD_PRE_ACTIVATIONS, NORM_BATCH, NORM_GRADIENTS, NORM_MODE,
                                       NORMALISE_AND_ACTIVATE, STATISTICS, fold_rows_function, row_kernels,
                                       value_math)
@@ -188,6 +189,7 @@ def _elementwise_kernels(storage: str, activation: Activation, normalization: No
     per_value = value_math(storage, activation, normalization, parameter)
     activation_input, act_f = per_value.activation_input, per_value.act_f
     norm = NORM_MODE[normalization]
+    window_sum = window_sum_function(storage)
 
     @cuda.jit
     def running_statistics(running_mean, running_var, epsilon, mean, inv_std):
@@ -214,24 +216,8 @@ def _elementwise_kernels(storage: str, activation: Activation, normalization: No
         C), w (OC, KH, KW, CG), y (N, OH, OW, OC), flat; taps DH, DW apart; output channel
         oc reads the CG input channels of its group, oc // OCG (OCG = OC / groups)."""
         for i in range(cuda.grid(1), y.size, cuda.gridsize(1)):
-            oc = i % OC
-            r = i // OC
-            ow = r % OW
-            r //= OW
-            oh = r % OH
-            n = r // OH
-            c0 = (oc // OCG) * CG
-            acc = ZERO
-            for kh in range(KH):
-                ih = oh * SH - PH + kh * DH
-                if ih >= 0 and ih < H:
-                    for kw in range(KW):
-                        iw = ow * SW - PW + kw * DW
-                        if iw >= 0 and iw < W:
-                            xb = ((n * H + ih) * W + iw) * C + c0
-                            wb = ((oc * KH + kh) * KW + kw) * CG
-                            for c in range(CG):
-                                acc += load(x, xb + c) * load(w, wb + c)
+            n, oh, ow, oc = nhwc_position(i, OH, OW, OC)
+            acc = window_sum(x, w, n, oh, ow, oc, H, W, C, KH, KW, SH, SW, PH, PW, DH, DW, CG, OCG)
             if has_bias:
                 acc += load(b, oc)
             _, z = encode(acc)

@@ -20,6 +20,7 @@ import numpy as np
 
 from conv2d.cuda.kernels.activation import ZERO
 from conv2d.cuda.kernels.bits import storage_io
+from conv2d.cuda.kernels.layout import nhwc_position
 from conv2d.cuda.runtime import numba_cuda
 from conv2d.reference.conv import sources
 
@@ -50,12 +51,7 @@ def padding_kernels(storage: str) -> tuple:
         """xp (N, HP, WP, C) = x (N, H, W, C) padded: a copy of the value the tables name,
         or zero. One thread a padded value."""
         for i in range(cuda.grid(1), xp.size, cuda.gridsize(1)):
-            c = i % C
-            r = i // C
-            pc = r % WP
-            r //= WP
-            pr = r % HP
-            n = r // HP
+            n, pr, pc, c = nhwc_position(i, HP, WP, C)
             sr, sc = rows[pr], cols[pc]
             if sr < 0 or sc < 0:
                 store(xp, i, ZERO)
@@ -67,12 +63,7 @@ def padding_kernels(storage: str) -> tuple:
         """d_x (N, H, W, C) = the sum of d_xp (N, HP, WP, C) over the padded positions that
         copy each input position (float32 sums, stored once). One thread an input value."""
         for i in range(cuda.grid(1), d_x.size, cuda.gridsize(1)):
-            c = i % C
-            r = i // C
-            col = r % W
-            r //= W
-            row = r % H
-            n = r // H
+            n, row, col, c = nhwc_position(i, H, W, C)
             acc = ZERO
             for a in range(KR):
                 pr = row_copies[row * KR + a]

@@ -1,0 +1,49 @@
+"""Where a flat index of an NHWC array points, and the convolution sum over one output
+value's window: for the kernels that take one value a thread."""
+
+from __future__ import annotations
+
+import functools
+
+from conv2d.cuda.kernels.activation import ZERO
+from conv2d.cuda.kernels.bits import storage_io
+from conv2d.cuda.runtime import numba_cuda
+
+cuda = numba_cuda()
+
+
+@cuda.jit(device=True, inline=True)
+def nhwc_position(i, H, W, C):
+    """(n, h, w, c) of flat index i of an (N, H, W, C) C-ordered array."""
+    c = i % C
+    r = i // C
+    w = r % W
+    r //= W
+    return r // H, r % H, w, c
+
+
+@functools.lru_cache(maxsize=None)
+def window_sum_function(storage: str):
+    """A device function window_sum(x, w, n, oh, ow, oc, H, W, C, KH, KW, SH, SW, PH, PW,
+    DH, DW, CG, OCG): output value (n, oh, ow, oc)'s convolution sum over its window, taps
+    in order (kh, kw, then the CG channels of its group oc // OCG), in float32; x (N, H, W,
+    C), w (OC, KH, KW, CG), flat, in the storage format `storage`. The direct evaluate
+    kernel and the depthwise forward (CG = 1) share it."""
+    load = storage_io(storage).load
+
+    @cuda.jit(device=True, inline=True)
+    def window_sum(x, w, n, oh, ow, oc, H, W, C, KH, KW, SH, SW, PH, PW, DH, DW, CG, OCG):
+        c0 = (oc // OCG) * CG
+        acc = ZERO
+        for kh in range(KH):
+            ih = oh * SH - PH + kh * DH
+            if ih >= 0 and ih < H:
+                for kw in range(KW):
+                    iw = ow * SW - PW + kw * DW
+                    if iw >= 0 and iw < W:
+                        xb = ((n * H + ih) * W + iw) * C + c0
+                        wb = ((oc * KH + kh) * KW + kw) * CG
+                        for c in range(CG):
+                            acc += load(x, xb + c) * load(w, wb + c)
+        return acc
+    return window_sum
