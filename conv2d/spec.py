@@ -317,9 +317,11 @@ class LayerSpec:
         return ((self.padding[0], self.padding_end[0]), (self.padding[1], self.padding_end[1]))
 
     @property
-    def plain_padding(self) -> bool:
-        """Whether the padding is symmetric and of zeros (what cuDNN's graphs here take)."""
-        return self.padding_end == self.padding and self.padding_mode == "zeros"
+    def pads_with_copies(self) -> bool:
+        """Whether the padding copies input values (a padding_mode other than zeros, and
+        some padding) rather than adding zeros: cuDNN has only zeros, so the CUDA backend
+        pads such an input itself first."""
+        return self.padding_mode != "zeros" and self.pads != ((0, 0), (0, 0))
 
     @property
     def activation_parameter(self) -> float | None:

@@ -11,10 +11,10 @@ in memory and described to cuDNN in its NCHW dimension order with NHWC strides; 
 (OC, KH, KW, IC / groups) likewise: cuDNN infers the groups from the filter's channel count
 (as PyTorch's cuDNN path does). Padding goes to the frontend as pre/post padding (so
 asymmetric zero padding is cuDNN's too), dilation as the convolution's; other padding
-modes are padded by the layer first (steps.pad_input), and the graphs see zeros. Only engines without the NONDETERMINISTIC numerical note are
-kept; float32 keeps only engines without TENSOR_CORE / DOWN_CONVERT_INPUTS (no TF32)
-unless TF32 is allowed; 16-bit types compute in float32 and drop
-REDUCED_PRECISION_REDUCTION engines.
+modes are padded by the layer first (steps.pad_input), and the graphs see zeros. Only
+engines without the NONDETERMINISTIC numerical note are kept; float32 keeps only engines
+without TENSOR_CORE / DOWN_CONVERT_INPUTS (no TF32) unless TF32 is allowed; 16-bit types
+compute in float32 and drop REDUCED_PRECISION_REDUCTION engines.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autotune: An
           DType.BFLOAT16: cudnn.data_type.BFLOAT16}[spec.dtype]
     f32 = cudnn.data_type.FLOAT
     d = _dims(spec)
-    if spec.padding_mode != "zeros" and spec.pads != ((0, 0), (0, 0)):
+    if spec.pads_with_copies:
         raise ValueError(f"cuDNN pads with zeros only; pad the input first (padding_mode={spec.padding_mode!r})")
     conv = _geometry(spec)
     try:

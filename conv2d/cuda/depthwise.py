@@ -17,6 +17,7 @@ import numpy as np
 
 from conv2d.cuda import kernels as K
 from conv2d.cuda.kernels.depthwise import depthwise_kernels
+from conv2d.cuda.kernels.layout import window_geometry
 from conv2d.cuda.launch import Launcher, LaunchKey
 from conv2d.spec import LayerSpec
 
@@ -30,19 +31,16 @@ def is_depthwise(spec: LayerSpec) -> bool:
 
 class DepthwiseConvolutions:
     """The convolutions of one input shape (`spec`, zero padding: cuDNN's convolution
-    spec), launched by `launch` (the layer's Launcher)."""
+    spec; a depthwise one, which Functions checks), launched by `launch` (the layer's
+    Launcher)."""
 
     def __init__(self, cuda: Any, spec: LayerSpec, launch: Launcher) -> None:
-        if not is_depthwise(spec):
-            raise ValueError(f"depthwise_kernel: 'numba' takes depthwise layers (groups == in_channels), got groups="
-                             f"{spec.groups} with in_channels={spec.in_channels}")
         self.spec, self._launch = spec, launch
         self._kernels = depthwise_kernels(spec.dtype.value)
         n, h, w, c = spec.input_shape
         _, oh, ow, oc = spec.output_shape
-        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = spec.kernel, spec.stride, spec.padding, spec.dilation
-        self._geometry = {"H": h, "W": w, "C": c, "OH": oh, "OW": ow, "OC": oc, "KH": kh, "KW": kw, "SH": sh,
-                          "SW": sw, "PH": ph, "PW": pw, "DH": dh, "DW": dw, "M": oc // c}
+        kh, kw = spec.kernel
+        self._geometry = {**window_geometry(spec), "M": oc // c}
         self._rows = n * oh * ow
         self._P = max(1, min(MAX_PARTIAL_BLOCKS, self._rows // 64))
         self._taps = oc * kh * kw

@@ -42,7 +42,7 @@ from conv2d.cuda.kernels import simple
 from conv2d.cuda.kernels.padding import padding_kernels
 from conv2d.cuda.launch import Launch, Launcher, device_pointer
 from conv2d.cuda.memory import OutputAllocator, Outputs
-from conv2d.cuda.plans import Saved, ShapePlan, ShapePlans, convolution_spec
+from conv2d.cuda.plans import Saved, ShapePlan, ShapePlans
 from conv2d.cuda.depthwise import DepthwiseConvolutions, is_depthwise
 from conv2d.cuda.runtime import (as_stream, device_dtype, from_device_bits, numba_cuda, require_gpu, same_stream,
                                  simulating, stream_handle, to_device_bits, zero_fill)
@@ -170,10 +170,7 @@ class Functions:
             simple.simple_set(spec.dtype.value, spec.activation, parameter) if kernels == "simple" else None,
             simple.simple_set("float32", spec.activation, parameter) if kernels == "simple" else None,
             self._dummy, Launcher(current, fast_paths),
-            padding_kernels(spec.dtype.value) if convolution_spec(spec) is not spec else None, constants, discard)
-        # Batch norm without running statistics normalises with the batch's in evaluation too.
-        self._batch_stats_always = (spec.normalization is Normalization.BATCH_NORM
-                                    and not spec.bn_track_running_stats)
+            padding_kernels(spec.dtype.value) if spec.pads_with_copies else None, constants, discard)
         self._allocator = OutputAllocator(cuda, own)
         self._outputs = Outputs(spec, cuda, self._allocator, current)
         simple_kernels = kernels == "simple"
@@ -237,7 +234,8 @@ class Functions:
             p = self._k.with_constants(self._args.params(params))
             r = self._args.running(running, need=not training)
             plan = self._plans.get(call)
-            training = training or self._batch_stats_always
+            # Batch norm without running statistics normalises with the batch's in evaluation too.
+            training = training or self.spec.batch_statistics(False)
             if r is not None and training:
                 self.spec.running_var_scale(plan.M)  # raises before any work where the rule cannot apply
             outside = None if saved_out is None else self._args.saved_arrays(
@@ -260,7 +258,8 @@ class Functions:
         with self._lock:
             call, x_dev, lib = self._args.input("x", x)
             p = self._k.with_constants(self._args.params(params))
-            r = self._args.running(running, need=not self._batch_stats_always)
+            from_batch = self.spec.batch_statistics(False)  # layer norm, batch norm without running ones
+            r = self._args.running(running, need=not from_batch)
             plan = self._plans.get(call)
             stream = self.streams.enter(lib, x)
             y_dev, y = self._outputs.output(plan, "y", call.output_shape, lib, x)
@@ -269,8 +268,8 @@ class Functions:
             elif self.relu_fusion:
                 steps.pre_activations(self._k, plan, p, x_dev, y_dev, relu=True)
             else:
-                steps.forward_steps(self._k, plan, p, r, x_dev, y_dev, plan.evaluate_buffers(),
-                                    self._batch_stats_always, "evaluate")
+                steps.forward_steps(self._k, plan, p, r, x_dev, y_dev, plan.evaluate_buffers(), from_batch,
+                                    "evaluate")
             return self._outputs.result(y, lib, stream)
 
     def saved(self, x: Any, pre: Any, mean: Any, inv_std: Any, batch_stats: bool) -> Saved:

@@ -27,17 +27,18 @@ from conv2d.spec import LayerSpec, Normalization
 def convolution_spec(spec: LayerSpec) -> LayerSpec:
     """The spec cuDNN's graphs run for `spec`: itself, or where it pads with a mode other
     than zeros (which cuDNN does not have), that of its padded input, unpadded."""
-    (top, bottom), (left, right) = spec.pads
-    if spec.padding_mode == "zeros" or top == bottom == left == right == 0:
+    if not spec.pads_with_copies:
         return spec
+    (top, bottom), (left, right) = spec.pads
     return dataclasses.replace(spec, in_height=spec.in_height + top + bottom, in_width=spec.in_width + left + right,
                                padding=0, padding_end=None, padding_mode="zeros")
 
 
 class PaddingPlan:
     """A padding mode's device buffers at one input shape: the padded input `x` and its
-    gradient `d_x` (N, Hp, Wp, C), and kernels/padding.py's tables of each axis (`rows`,
-    `cols`; `row_copies` (H, KR) and `col_copies` (W, KC), flat)."""
+    gradient `d_x` (N, Hp, Wp, C), kernels/padding.py's tables of each axis (`rows`,
+    `cols`; `row_copies` (H, KR) and `col_copies` (W, KC), flat), and the sizes the
+    kernels take (`geometry`)."""
 
     def __init__(self, spec: LayerSpec, padded: LayerSpec, cuda: Any, device_dtype: np.dtype) -> None:
         (top, bottom), (left, right) = spec.pads
@@ -46,6 +47,10 @@ class PaddingPlan:
         self.rows, self.cols = cuda.to_device(rows), cuda.to_device(cols)
         self.row_copies, self.col_copies = cuda.to_device(row_copies.ravel()), cuda.to_device(col_copies.ravel())
         self.KR, self.KC = row_copies.shape[1], col_copies.shape[1]
+        _, h, w, c = spec.input_shape
+        _, hp, wp, _ = padded.input_shape
+        self.geometry = {"H": h, "W": w, "C": c, "HP": hp, "WP": wp}  # what both padding kernels take
+        self.input_size = math.prod(spec.input_shape)
         size = math.prod(padded.input_shape)
         self.x, self.d_x = cuda.device_array(size, device_dtype), cuda.device_array(size, device_dtype)
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from conv2d.cuda import kernels as K
 from conv2d.cuda.kernels import simple
+from conv2d.cuda.kernels.layout import window_geometry
 from conv2d.cuda.launch import Launch, Launcher, LaunchKey
 from conv2d.cuda.plans import Saved, ShapePlan
 from conv2d.spec import LayerSpec, Normalization
@@ -97,10 +98,8 @@ def pad_input(k: Kernels, plan: ShapePlan, x: Any) -> Any:
     pads = plan.padding
     if pads is None:
         return x
-    n, h, w, c = plan.spec.input_shape
-    _, hp, wp, _ = plan.conv_spec.input_shape
     k.launch(plan.launches, LaunchKey("pad_input"), k.padding[0], *K.elementwise_grid(pads.x.size),
-             {"xp": pads.x, "rows": pads.rows, "cols": pads.cols, "H": h, "W": w, "C": c, "HP": hp, "WP": wp}, x=x)
+             {"xp": pads.x, "rows": pads.rows, "cols": pads.cols, **pads.geometry}, x=x)
     return pads.x
 
 
@@ -213,11 +212,9 @@ def input_gradient(k: Kernels, plan: ShapePlan, p: dict, d_x: Any) -> None:
         plan.conv.backward_data(plan.d_z, p["weights"], d_x)
         return
     plan.conv.backward_data(plan.d_z, p["weights"], pads.d_x)
-    n, h, w, c = plan.spec.input_shape
-    _, hp, wp, _ = plan.conv_spec.input_shape
-    k.launch(plan.launches, LaunchKey("unpad_gradient"), k.padding[1], *K.elementwise_grid(n * h * w * c),
+    k.launch(plan.launches, LaunchKey("unpad_gradient"), k.padding[1], *K.elementwise_grid(pads.input_size),
              {"d_xp": pads.d_x, "row_copies": pads.row_copies, "col_copies": pads.col_copies, "KR": pads.KR,
-              "KC": pads.KC, "H": h, "W": w, "C": c, "HP": hp, "WP": wp}, d_x=d_x)
+              "KC": pads.KC, **pads.geometry}, d_x=d_x)
 
 
 def weight_gradient(k: Kernels, plan: ShapePlan, x: Any, grad: Any, accumulate: bool) -> None:
@@ -238,12 +235,8 @@ def direct_evaluate(k: Kernels, plan: ShapePlan, p: dict, r: dict | None, x: Any
     where the spec pads with a mode other than zeros."""
     s, d = plan.conv_spec, k.dummy
     x = pad_input(k, plan, x)
-    n, h, w, c = s.input_shape
-    _, oh, ow, oc = s.output_shape
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = s.kernel, s.stride, s.padding, s.dilation
-    fixed = {"has_bias": k.spec.bias, "epsilon": np.float32(s.bn_epsilon), "H": h, "W": w, "C": c, "OH": oh,
-             "OW": ow, "OC": oc, "KH": kh, "KW": kw, "SH": sh, "SW": sw, "PH": ph, "PW": pw, "DH": dh, "DW": dw,
-             "CG": c // s.groups, "OCG": oc // s.groups}
+    fixed = {"has_bias": k.spec.bias, "epsilon": np.float32(s.bn_epsilon), **window_geometry(s),
+             "CG": s.in_channels // s.groups, "OCG": s.out_channels // s.groups}
     running = {"running_mean": r["running_mean"], "running_var": r["running_var"]} if r else {
         "running_mean": d, "running_var": d}
     k.launch(plan.launches, LaunchKey("direct_evaluate"), k.fast.direct_evaluate, *K.elementwise_grid(plan.total),

@@ -4,6 +4,7 @@ value's window: for the kernels that take one value a thread."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from conv2d.cuda.kernels.activation import ZERO
 from conv2d.cuda.kernels.bits import storage_io
@@ -20,6 +21,16 @@ def nhwc_position(i, H, W, C):
     w = r % W
     r //= W
     return r // H, r % H, w, c
+
+
+def window_geometry(spec: Any) -> dict[str, int]:
+    """The sizes `window_sum` and the kernels over it take, of a LayerSpec at one input
+    shape: H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW (top/left padding), DH, DW."""
+    _, h, w, c = spec.input_shape
+    _, oh, ow, oc = spec.output_shape
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = spec.kernel, spec.stride, spec.padding, spec.dilation
+    return {"H": h, "W": w, "C": c, "OH": oh, "OW": ow, "OC": oc, "KH": kh, "KW": kw, "SH": sh, "SW": sw, "PH": ph,
+            "PW": pw, "DH": dh, "DW": dw}
 
 
 @functools.lru_cache(maxsize=None)
