@@ -34,8 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    + ", ".join(f"{k} {v['lr']:g}" for k, v in DEFAULTS.items()) + ")")
     d.add_argument("--target", type=float, default=None,
                    help="what to reach: held-out accuracy (digits, default 0.98), mean return of the last 200 "
-                        "episodes averaged over the seeds (breakout, default 4), held-out relative output error (fit, default 1e-3 or 8 "
-                        "units of roundoff of a 16-bit dtype)")
+                        "episodes averaged over the seeds (breakout, default 4), held-out relative output error "
+                        "(fit, default 1e-3 or 8 units of roundoff of a 16-bit dtype)")
     d.add_argument("--steps", type=int, default=None, help="training steps (breakout 60000, fit 300)")
     d.add_argument("--epochs", type=int, default=15, help="digits: passes over the training images")
     d.add_argument("--batch-size", type=int, default=32, help="digits and breakout: the training batch")

@@ -102,7 +102,7 @@ class _BatchNormParameters(nn.BatchNorm2d):
         """Two buffers beside the running statistics (made on first use, not in the
         state_dict) that a training call with momentum=None has the layer write the
         batch's statistics into (as a momentum-1 update), for the cumulative average."""
-        if getattr(self, "batch_mean", None) is None or self.batch_mean.device != self.running_mean.device:
+        if getattr(self, "batch_mean", None) is None:  # registered: they move with the module from then on
             self.register_buffer("batch_mean", torch.zeros_like(self.running_mean), persistent=False)
             self.register_buffer("batch_var", torch.ones_like(self.running_var), persistent=False)
         return self.batch_mean, self.batch_var
@@ -140,13 +140,12 @@ class Conv2dNormActivation(nn.Module):
     bitwise the same whatever batch it is in; CPU tensors only for now: the CUDA backend
     refuses it with NotImplementedError at the first call).
 
-    `nn.Conv2d`'s and `nn.BatchNorm2d`'s other arguments are taken by name and refused
-    unless they have their default (NotImplementedError naming the option). `momentum=None`
-    (the cumulative average; the module's batch statistics go through two buffers beside
-    the running ones, not in its state_dict, and the running ones move 1/num_batches_tracked
-    of the way), `affine=False` and `track_running_stats=False` (batch statistics in evaluation too),
-    `dilation`, `groups` (depthwise included), padding "same"/"valid" and `padding_mode`
-    run on both devices. Any other keyword is a TypeError, as in PyTorch.
+    `nn.Conv2d`'s and `nn.BatchNorm2d`'s other arguments are taken by name and run on both
+    devices: `momentum=None` (the cumulative average; the batch's statistics go through
+    two buffers beside the running ones, not in the state_dict, and the running ones move
+    1/num_batches_tracked of the way), `affine=False`, `track_running_stats=False` (batch
+    statistics in evaluation too), `dilation`, `groups` (depthwise included), padding
+    "same"/"valid" and `padding_mode`. Any other keyword is a TypeError, as in PyTorch.
 
     Works in eager mode, under torch.compile (any batch size, `dynamic` or not,
     mode="reduce-overhead" included) and torch.export (the exported program runs wherever conv2d is
