@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cuda import torch_graph  # noqa: E402  (PyTorch's capture recipe)
 from bench_shapes import provenance  # noqa: E402
 
 import torch  # noqa: E402
@@ -111,20 +112,6 @@ class Timer:
         return (start.elapsed_time(end) / iters if self.cuda else wall), wall
 
 
-def captured(step, no_grad: bool = False):
-    """`step` in a CUDA graph after three warm-up calls on a side stream (PyTorch's recipe)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.set_grad_enabled(not no_grad):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.set_grad_enabled(not no_grad):
-        step()
-    return graph.replay
-
-
 def training_step(model: nn.Module, mode: str, x: torch.Tensor, target: torch.Tensor):
     """The step to time: zero the gradients, forward, MSE loss, backward, Adam."""
     model.train()
@@ -138,7 +125,7 @@ def training_step(model: nn.Module, mode: str, x: torch.Tensor, target: torch.Te
         opt.zero_grad(set_to_none=not capturable)
         nn.functional.mse_loss(run(x).float(), target).backward()
         opt.step()
-    return captured(step) if mode == "graph" else step
+    return torch_graph(step).replay if mode == "graph" else step
 
 
 def acting_step(model: nn.Module, mode: str, x: torch.Tensor, timer: Timer):
@@ -148,7 +135,7 @@ def acting_step(model: nn.Module, mode: str, x: torch.Tensor, timer: Timer):
     if mode in ("compile", "reduce-overhead"):
         run = torch.compile(model, mode=None if mode == "compile" else mode)
     if mode == "graph":
-        replay = captured(lambda: model(x), no_grad=True)
+        replay = torch_graph(lambda: model(x), no_grad=True).replay
 
         def act():
             replay()
