@@ -54,7 +54,7 @@ def _dtype_name(dt: np.dtype) -> str:
 def _dtype_from_name(name: Any) -> np.dtype:
     if name == "bfloat16":
         return storage_dtype(DType.BFLOAT16)
-    if name in ("float16", "float32", "float64"):
+    if name in ("float16", "float32", "float64", "int64"):  # int64: num_batches_tracked
         return np.dtype(name)
     raise ValueError(f"unknown dtype {name!r}")
 
@@ -201,7 +201,7 @@ def _read(path: Path) -> tuple[list[LayerSpec] | LayerSpec, dict[str, np.ndarray
                                      f"{list(a.shape)}")
                 if _digest(a) != digest:
                     raise ValueError(f"{where}: array {name!r}: checksum mismatch (the file was modified or damaged)")
-                state[name] = np.ascontiguousarray(a)
+                state[name] = np.asarray(a, order="C")  # (ascontiguousarray makes a 0-d array 1-d)
     except ValueError:
         raise
     except (FileNotFoundError, PermissionError, IsADirectoryError):

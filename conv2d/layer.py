@@ -179,11 +179,12 @@ class Conv2d:
         self._write_state(state)
 
     def reset_running_stats(self) -> None:
-        """running_mean = 0, running_var = 1 (batch norm only; a no-op otherwise)."""
+        """running_mean = 0, running_var = 1, num_batches_tracked = 0 (batch norm with running
+        statistics only; a no-op otherwise)."""
         if self.spec.normalization is not Normalization.BATCH_NORM:
             return
         fresh = initial_state(self.spec)
-        self._write_state({k: fresh[k] for k in RUNNING})
+        self._write_state({k: fresh[k] for k in RUNNING if k in fresh})
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """NumPy copies: weights (OC, KH, KW, IC); unless `bias=False`, bias (OC,); with a norm

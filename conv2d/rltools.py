@@ -52,7 +52,7 @@ from conv2d import hdf5_safe
 from conv2d.files import atomic_write, readable_file
 from conv2d.layer import Conv2d, layer_locks
 from conv2d.spec import LayerSpec, Normalization
-from conv2d.state import RUNNING, check_arrays, grad_layout, state_layout
+from conv2d.state import RUNNING_STATISTICS, check_arrays, grad_layout, state_layout
 
 _ACTIVATIONS = {Activation.IDENTITY: "IDENTITY", Activation.RELU: "RELU", Activation.TANH: "TANH",
                 Activation.FAST_TANH: "FAST_TANH", Activation.SIGMOID: "SIGMOID", Activation.GELU_ORIGINAL: "GELU"}
@@ -101,6 +101,9 @@ def attributes(spec: LayerSpec) -> dict[str, str]:
         if value != plain:
             raise ValueError(f"{name}: rl_tools' conv2d layer has no {name} (got {name}={value!r}); it would read "
                              f"the weights as a plain convolution's")
+    if spec.normalization is Normalization.BATCH_NORM and spec.bn_momentum is None:
+        raise ValueError("bn_momentum: rl_tools' conv2d layer keeps no batch count, which the cumulative average "
+                         "(bn_momentum=None) needs; save this layer with conv2d.io.save")
     return {"type": "conv2d", "output_channels": str(spec.out_channels), "input_channels": str(spec.in_channels),
             "kernel_height": str(spec.kernel[0]), "kernel_width": str(spec.kernel[1]),
             "stride_h": str(spec.stride[0]), "stride_w": str(spec.stride[1]), "padding_h": str(spec.padding[0]),
@@ -154,7 +157,7 @@ def write(layer: Conv2d, group: Any, gradient: bool = True, optimizer: Any = Non
         _tensor(g, "gradient", _stored(grads[name]) if gradient else zeros)
         for moment, k in zip(ADAM_MOMENTS, ("m", "v")):
             _tensor(g, moment, _stored(moments[f"{name}.{k}"]) if f"{name}.{k}" in moments else zeros)
-    for name in RUNNING:
+    for name in RUNNING_STATISTICS:
         if name in state:
             _tensor(group, name, _stored(state[name]))
     if pre_activations and layer.pre_activations is not None:
@@ -178,7 +181,7 @@ def wanted(spec: LayerSpec) -> dict[str, list[tuple[int, ...]]]:
         shapes = list(_weight_shapes(spec).values()) if name == "weights" else [(spec.out_channels,)]
         for key in ("parameters", "gradient") + ADAM_MOMENTS:
             out[f"{sub}/{key}"] = shapes
-    for name in RUNNING:
+    for name in RUNNING_STATISTICS:
         out[name] = [(spec.out_channels,)]
     return out
 
@@ -329,7 +332,7 @@ def parse(snap: dict[str, Any], spec: LayerSpec, weight_layout: str | None = Non
             if missing:
                 raise ValueError(f"{where}: {sub}/ lacks {missing}, which loading into an optimizer needs")
             adam[f"{name}.m"], adam[f"{name}.v"] = (values[m] for m in ADAM_MOMENTS)
-    for name in RUNNING:
+    for name in RUNNING_STATISTICS:
         if name in layout:
             if name not in snap["arrays"]:
                 raise ValueError(f"{where}: missing dataset {name}")
@@ -369,7 +372,7 @@ def _adam_state(optimizer: Any, index: int, state: dict[str, np.ndarray], moment
     master copies of 16-bit parameters set to the loaded values), checked."""
     new = optimizer.state_dict()
     arrays = dict(new["arrays"])
-    for name in (k for k in state if k not in RUNNING):
+    for name in (k for k in state if k not in RUNNING_STATISTICS):
         for key, value in ((f"{index}.{name}.m", moments[f"{name}.m"]), (f"{index}.{name}.v", moments[f"{name}.v"])):
             want = arrays[key]
             arrays[key] = value.astype(want.dtype).reshape(want.shape)

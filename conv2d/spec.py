@@ -130,6 +130,9 @@ class LayerSpec:
     `bn_affine=False`: the norm has no gamma and beta (PyTorch's `affine=False`);
     `bn_track_running_stats=False`: batch norm keeps no running statistics and normalises
     with the batch's in evaluation too (PyTorch's `track_running_stats=False`).
+    `bn_momentum=None`: the running statistics are the cumulative average of the batches'
+    (PyTorch's `momentum=None`): the state then counts the training batches
+    (`num_batches_tracked`, an int64 scalar) and each moves them 1/count of the way.
     `negative_slope` (LeakyReLU's, as PyTorch's) and `elu_alpha` (ELU's `alpha`) are the
     parameters of those two activations; another activation refuses a value other than
     the default.
@@ -149,7 +152,7 @@ class LayerSpec:
     groups: int = 1
     activation: Activation | str = Activation.IDENTITY
     normalization: Normalization | str = Normalization.NONE
-    bn_momentum: float = 0.1
+    bn_momentum: float | None = 0.1
     bn_epsilon: float = 1e-5
     bn_affine: bool = True
     bn_track_running_stats: bool = True
@@ -214,12 +217,12 @@ class LayerSpec:
         set_(self, "dtype", _enum_value(DType, "dtype", self.dtype))
         set_(self, "bn_running_var", _enum_value(RunningVariance, "bn_running_var", self.bn_running_var))
         m = self.bn_momentum
-        if not isinstance(m, (int, float)) or isinstance(m, bool) or not 0.0 <= m <= 1.0:
-            raise ValueError(f"LayerSpec.bn_momentum: expected a number in [0, 1], got {m!r}")
+        if m is not None and (not isinstance(m, (int, float)) or isinstance(m, bool) or not 0.0 <= m <= 1.0):
+            raise ValueError(f"LayerSpec.bn_momentum: expected a number in [0, 1] or None, got {m!r}")
         e = self.bn_epsilon
         if not isinstance(e, (int, float)) or isinstance(e, bool) or not (e > 0 and math.isfinite(e)):
             raise ValueError(f"LayerSpec.bn_epsilon: expected a finite number > 0, got {e!r}")
-        set_(self, "bn_momentum", float(m))
+        set_(self, "bn_momentum", None if m is None else float(m))
         set_(self, "bn_epsilon", float(e))
         if self.dtype is not DType.FLOAT64:
             # The norm computes in float32 for every other dtype: an epsilon that is 0 or

@@ -16,7 +16,9 @@ def state_layout(spec: LayerSpec) -> dict[str, tuple[tuple[int, ...], np.dtype]]
 
     weights (OC, KH, KW, IC) and, unless `bias=False`, bias (OC,) in the storage dtype; with
     a norm, gamma and beta (OC,) in the compute dtype (unless bn_affine=False); with batch
-    norm, running_mean and running_var too (unless bn_track_running_stats=False).
+    norm, running_mean and running_var too (unless bn_track_running_stats=False), and with
+    bn_momentum=None num_batches_tracked, () int64 (PyTorch's name): the training batches
+    the cumulative average has taken.
     """
     st, ct, oc = storage_dtype(spec.dtype), compute_dtype(spec.dtype), spec.out_channels
     layout = {"weights": (spec.weight_shape, st)}
@@ -28,10 +30,14 @@ def state_layout(spec: LayerSpec) -> dict[str, tuple[tuple[int, ...], np.dtype]]
     if spec.normalization is Normalization.BATCH_NORM and spec.bn_track_running_stats:
         layout["running_mean"] = ((oc,), ct)
         layout["running_var"] = ((oc,), ct)
+        if spec.bn_momentum is None:
+            layout["num_batches_tracked"] = ((), np.dtype(np.int64))
     return layout
 
 
-RUNNING = ("running_mean", "running_var")
+# The running state: batch norm's statistics, and the batch count of the cumulative average.
+RUNNING_STATISTICS = ("running_mean", "running_var")
+RUNNING = RUNNING_STATISTICS + ("num_batches_tracked",)
 
 
 def split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -77,4 +83,6 @@ def check_arrays(what: str, arrays: Any, layout: Mapping[str, tuple[tuple[int, .
         out[name] = a
     if "running_var" in out and (out["running_var"] < 0).any():
         raise ValueError(f"{what}['running_var']: expected values >= 0, got min {out['running_var'].min()}")
+    if "num_batches_tracked" in out and out["num_batches_tracked"] < 0:
+        raise ValueError(f"{what}['num_batches_tracked']: expected a count >= 0, got {int(out['num_batches_tracked'])}")
     return out

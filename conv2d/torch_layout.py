@@ -59,7 +59,7 @@ def _names(conv: str, norm: str) -> dict[str, str]:
         return f"{prefix}.{name}" if prefix else name
     return {"weights": key(conv, "weight"), "bias": key(conv, "bias"), "gamma": key(norm, "weight"),
             "beta": key(norm, "bias"), "running_mean": key(norm, "running_mean"),
-            "running_var": key(norm, "running_var")}
+            "running_var": key(norm, "running_var"), "num_batches_tracked": key(norm, "num_batches_tracked")}
 
 
 def _check_prefixes(conv: str, norm: str) -> None:
@@ -73,7 +73,8 @@ def _check_prefixes(conv: str, norm: str) -> None:
 def state_to_torch(state: Mapping[str, np.ndarray], conv: str = "conv", norm: str = "norm") -> dict[str, np.ndarray]:
     """Our state dict -> PyTorch's names and layout: "{conv}.weight" (OC, IC, KH, KW),
     "{conv}.bias" (absent for a bias-free layer), "{norm}.weight", "{norm}.bias",
-    "{norm}.running_mean", "{norm}.running_var". `conv="0", norm="1"` gives the keys of
+    "{norm}.running_mean", "{norm}.running_var" (and "{norm}.num_batches_tracked" of a
+    `bn_momentum=None` layer's state). `conv="0", norm="1"` gives the keys of
     `nn.Sequential(conv, norm, act)` (and of `conv2d.torch.Conv2dNormActivation`)."""
     _check_prefixes(conv, norm)
     names = _names(conv, norm)
@@ -85,34 +86,43 @@ def state_to_torch(state: Mapping[str, np.ndarray], conv: str = "conv", norm: st
 
 
 def state_from_torch(tensors: Mapping[str, Any], conv: str = "conv", norm: str = "norm",
-                     strict: bool = True) -> dict[str, np.ndarray]:
+                     strict: bool = True, num_batches_tracked: bool = False) -> dict[str, np.ndarray]:
     """The inverse of `state_to_torch`: our state from PyTorch's keys under the prefixes
     `conv` and `norm` (see `state_to_torch`; "" takes an `nn.Conv2d`'s own state_dict).
-    BatchNorm2d's `num_batches_tracked` is ignored. With `strict`, a key under neither
-    prefix is an error; without, keys of other modules (a whole model's state_dict) are
-    skipped."""
+    BatchNorm2d's `num_batches_tracked` is taken with `num_batches_tracked=True` (the
+    state of a `bn_momentum=None` layer, which counts its batches; an error if absent),
+    and ignored otherwise. With `strict`, a key under neither prefix is an error; without,
+    keys of other modules (a whole model's state_dict) are skipped."""
     _check_prefixes(conv, norm)
     back = {v: k for k, v in _names(conv, norm).items()}
-    tracked = f"{norm}.num_batches_tracked" if norm else "num_batches_tracked"
+    tracked = _names(conv, norm)["num_batches_tracked"]
+    if num_batches_tracked and tracked not in tensors:
+        raise KeyError(f"tensors: no {tracked!r} (num_batches_tracked=True) among {sorted(tensors)}")
+    if not num_batches_tracked:
+        del back[tracked]
     unknown = sorted(set(tensors) - set(back) - {tracked})
     if strict and unknown:
         raise KeyError(f"tensors: unknown keys {unknown}; known are {sorted(back)}")
     weight_key = _names(conv, norm)["weights"]
     if weight_key not in tensors:
         raise KeyError(f"tensors: no convolution weight {weight_key!r} among {sorted(tensors)}")
-    return {back[k]: (weights_from_torch(v) if back[k] == "weights" else np.array(_numpy(v), copy=True))
+    return {back[k]: (weights_from_torch(v) if back[k] == "weights" else
+                      np.array(_numpy(v), np.int64 if k == tracked else None, copy=True))
             for k, v in tensors.items() if k in back}
 
 
 def state_from_modules(conv: Any, norm: Any = None) -> dict[str, np.ndarray]:
     """Our state from an `nn.Conv2d` and an optional `nn.BatchNorm2d` / `nn.GroupNorm`
-    (the modules or their state_dicts)."""
+    (the modules or their state_dicts); a BatchNorm2d module with `momentum=None` brings
+    its `num_batches_tracked` (the state of a `bn_momentum=None` layer)."""
     def state(m: Any) -> Mapping[str, Any]:
         return m.state_dict() if hasattr(m, "state_dict") else m
     tensors = {f"conv.{k}": v for k, v in state(conv).items()}
     if norm is not None:
         tensors.update({f"norm.{k}": v for k, v in state(norm).items()})
-    return state_from_torch(tensors)
+    cumulative = (norm is not None and hasattr(norm, "momentum") and norm.momentum is None
+                  and "norm.num_batches_tracked" in tensors)
+    return state_from_torch(tensors, num_batches_tracked=cumulative)
 
 
 def dense_weight_to_conv(w: Any, input_chw: tuple[int, int, int]) -> np.ndarray:

@@ -61,6 +61,7 @@ GOLDEN = {
     "relu6_same_odd_rect": (dict(batch_size=2, in_height=7, in_width=8, in_channels=2, out_channels=3, kernel=(5, 3), padding="same", activation="relu6", normalization="layer_norm"), 3.0, 31),
     "tanh_bn_no_affine": (dict(batch_size=3, in_height=6, in_width=5, in_channels=2, out_channels=4, kernel=3, padding=1, activation="tanh", normalization="batch_norm", bn_affine=False), 1.0, 32),
     "gelu_bn_no_running_stats": (dict(batch_size=4, in_height=5, in_width=6, in_channels=3, out_channels=3, kernel=3, padding=1, activation="gelu", normalization="batch_norm", bn_track_running_stats=False), 1.0, 33),
+    "relu_bn_cumulative": (dict(batch_size=3, in_height=5, in_width=5, in_channels=2, out_channels=4, kernel=3, padding=1, activation="relu", normalization="batch_norm", bn_momentum=None, bn_running_var="unbiased"), 1.0, 35),
     "sigmoid_ln_no_affine": (dict(batch_size=2, in_height=6, in_width=6, in_channels=3, out_channels=4, kernel=3, stride=2, padding=1, activation="sigmoid", normalization="layer_norm", bn_affine=False), 1.0, 34),
 }
 
@@ -75,8 +76,10 @@ def random_state(spec: LayerSpec, rng: np.random.Generator) -> dict[str, np.ndar
         "beta": lambda s: rng.uniform(-0.5, 0.5, s),
         "running_mean": lambda s: rng.normal(0.0, 0.2, s),
         "running_var": lambda s: rng.uniform(0.5, 2.0, s),
+        "num_batches_tracked": lambda s: rng.integers(1, 6, s),  # a count: the next batch weighs 1/2 .. 1/6
     }
-    return {k: draws[k](shape).astype(np.float64) for k, (shape, _) in state_layout(spec).items()}
+    return {k: draws[k](shape).astype(dt if k == "num_batches_tracked" else np.float64)
+            for k, (shape, dt) in state_layout(spec).items()}
 
 
 def make(name: str, fields: dict, scale: float, seed: int) -> dict[str, np.ndarray]:

@@ -37,6 +37,23 @@ def test_save_then_load_gives_the_same_spec_state_and_outputs(tmp_path, norm, dt
     np.testing.assert_array_equal(loaded.evaluate(x), layer.evaluate(x))
 
 
+def test_a_cumulative_batch_norm_keeps_its_batch_count_through_a_file(tmp_path):
+    spec = dataclasses.replace(SPEC, normalization="batch_norm", bn_momentum=None)
+    layer = make_layer(spec)
+    for seed in range(2):
+        layer.forward(random_inputs(spec, seed=seed)[0], training=True)
+    conv2d.save(layer, tmp_path / "layer.npz")
+    loaded = conv2d.load(tmp_path / "layer.npz")
+    assert loaded.spec.bn_momentum is None
+    state = loaded.state_dict()
+    assert state["num_batches_tracked"].shape == () and state["num_batches_tracked"] == 2
+    x = random_inputs(spec, seed=5)[0]
+    loaded.forward(x, training=True)
+    layer.forward(x, training=True)
+    for k, v in layer.state_dict().items():
+        np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
+
+
 def test_load_into_an_existing_layer_replaces_its_state(tmp_path):
     layer, path = saved(tmp_path)
     other = make_layer(SPEC, seed=9)

@@ -97,6 +97,36 @@ def test_training_forward_updates_running_statistics_with_the_biased_variance(sm
     np.testing.assert_allclose(after["running_var"], (1 - m) * before["running_var"] + m * z.var(0), rtol=1e-12)
 
 
+@pytest.mark.parametrize("running_var", ["biased", "unbiased"])
+def test_momentum_none_is_pytorchs_cumulative_average_of_the_batches(running_var):
+    """bn_momentum=None: after k training batches the running statistics are the mean of
+    the k batches' (PyTorch's BatchNorm2d(momentum=None), which counts them in
+    num_batches_tracked); an eval forward counts nothing."""
+    spec = dataclasses.replace(layer_spec("batch_norm"), dtype="float64", bn_momentum=None,
+                               bn_running_var=running_var)
+    layer = make_layer(spec)
+    stats = []
+    for seed in range(3):
+        x, _ = random_inputs(spec, seed=seed)
+        layer.forward(x, training=True)
+        z = layer.pre_activations.reshape(-1, spec.out_channels)
+        stats.append((z.mean(0), z.var(0) * spec.running_var_scale(z.shape[0])))
+        layer.forward(x, training=False)
+    state = layer.state_dict()
+    assert state["num_batches_tracked"].dtype == np.int64 and state["num_batches_tracked"] == 3
+    # running = 0 then 1 then 1 (momentum 1, 1/2, 1/3): the plain mean of the three batches
+    np.testing.assert_allclose(state["running_mean"], np.mean([m for m, _ in stats], 0), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(state["running_var"], np.mean([v for _, v in stats], 0), rtol=1e-12)
+
+
+def test_reset_running_stats_zeroes_the_batch_count():
+    spec = dataclasses.replace(layer_spec("batch_norm"), bn_momentum=None)
+    layer = make_layer(spec)
+    layer.forward(random_inputs(spec)[0], training=True)
+    layer.reset_running_stats()
+    assert layer.state_dict()["num_batches_tracked"] == 0
+
+
 def test_eval_forward_leaves_running_statistics_unchanged(small_spec):
     layer = make_layer(small_spec)
     x, _ = random_inputs(small_spec)

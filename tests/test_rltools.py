@@ -120,6 +120,13 @@ def test_what_rl_tools_cannot_hold_is_refused_when_writing_and_no_file_is_made(t
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_cumulative_batch_norm_is_refused_since_rl_tools_keeps_no_batch_count(tmp_path):
+    spec = dataclasses.replace(SPEC, normalization="batch_norm", bn_momentum=None)
+    with pytest.raises(ValueError, match="bn_momentum: rl_tools' conv2d layer keeps no batch count"):
+        rltools.save(make_layer(spec), tmp_path / "b.h5")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_spec_from_group_takes_the_input_size_from_the_caller(tmp_path):
     rltools.save(trained(SPEC), tmp_path / "l.h5")
     with h5py.File(tmp_path / "l.h5") as f:

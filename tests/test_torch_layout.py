@@ -65,6 +65,23 @@ def test_plain_modules_give_our_state():
     np.testing.assert_array_equal(state["weights"], seq[0].weight.detach().numpy().transpose(0, 2, 3, 1))
 
 
+def test_a_cumulative_batch_norm_brings_its_batch_count_both_ways():
+    spec = dataclasses.replace(SPEC, bn_momentum=None)
+    conv = torch.nn.Conv2d(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding).double()
+    bn = torch.nn.BatchNorm2d(spec.out_channels, eps=spec.bn_epsilon, momentum=None).double()
+    x, _ = random_inputs(spec)
+    for _ in range(3):
+        bn(conv(torch.from_numpy(x).permute(0, 3, 1, 2)))
+    state = state_from_modules(conv, bn)
+    assert state["num_batches_tracked"].dtype == np.int64 and state["num_batches_tracked"] == 3
+    layer = Conv2d(spec)
+    layer.load_state_dict(state)
+    t = state_to_torch(layer.state_dict())
+    assert t["norm.num_batches_tracked"] == 3
+    with pytest.raises(KeyError, match="num_batches_tracked"):
+        state_from_torch({k: v for k, v in t.items() if k != "norm.num_batches_tracked"}, num_batches_tracked=True)
+
+
 def test_a_missing_weight_and_equal_prefixes_are_refused():
     with pytest.raises(KeyError, match="no convolution weight '0.weight'"):
         state_from_torch({"1.weight": np.ones(4)}, conv="0", norm="1", strict=False)

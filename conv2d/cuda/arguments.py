@@ -58,7 +58,7 @@ class Arguments:
         if (self.spec.normalization is not Normalization.BATCH_NORM or not self.spec.bn_track_running_stats
                 or (running is None and not need)):
             return None
-        return self._arrays("running", running, list(RUNNING))
+        return self._arrays("running", running, [k for k in self._layout if k in RUNNING])
 
     def accumulate(self, arrays: Mapping[str, Any]) -> dict[str, Any]:
         return self._arrays("accumulate", arrays, self.param_names)

@@ -113,8 +113,12 @@ def _statistics(spec: LayerSpec, z: np.ndarray, training: bool,
         if spec.normalization is Normalization.BATCH_NORM and running is not None:
             count = z.size // z.shape[-1]
             scaled = var * var.dtype.type(spec.running_var_scale(count))
+            momentum = spec.bn_momentum
+            if momentum is None:  # the cumulative average, as PyTorch's momentum=None
+                running["num_batches_tracked"][...] += 1
+                momentum = 1.0 / float(running["num_batches_tracked"])
             for k, stat in (("running_mean", mean), ("running_var", scaled)):
-                running[k][...] = norm.update_running(running[k], stat, spec.bn_momentum)
+                running[k][...] = norm.update_running(running[k], stat, momentum)
         return mean, norm.inverse_std(var, spec.bn_epsilon), True
     mean = running["running_mean"].astype(z.dtype)
     return mean, norm.inverse_std(running["running_var"].astype(z.dtype), spec.bn_epsilon), False

@@ -70,7 +70,8 @@ def conditioning_scales(spec: LayerSpec, state: dict[str, np.ndarray], x: np.nda
         return {}
     spec64 = replace(spec, dtype="float64")
     params = {k: np.asarray(v, np.float64) for k, v in state.items() if k not in RUNNING}
-    running = {k: np.array(state[k], np.float64) for k in RUNNING if k in state} or None
+    running = {k: np.array(state[k], np.int64 if k == "num_batches_tracked" else np.float64)
+               for k in RUNNING if k in state} or None
     x64, dy64 = np.asarray(x, np.float64), np.asarray(d_y, np.float64)
     _, saved = F.forward(spec64.at(x64.shape[0], x64.shape[1], x64.shape[2]), params, x64, training, running)
     axes = F._axes(spec64)

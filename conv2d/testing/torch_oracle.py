@@ -95,16 +95,22 @@ def run(spec: LayerSpec, state: dict[str, np.ndarray], x: np.ndarray, d_y: np.nd
         elif norm == "batch_norm":
             rm, rv = t(state["running_mean"]), t(state["running_var"])
             a = F.batch_norm(z, rm.clone(), rv.clone(), gamma, beta, training=training,
-                             momentum=spec.bn_momentum, eps=spec.bn_epsilon)
+                             momentum=0.0, eps=spec.bn_epsilon)  # (clones: the update is written out below)
+            tracked = state.get("num_batches_tracked")
             if training:
-                # PyTorch's own running_var update uses the unbiased variance; the design's
-                # uses the biased one, so the update is written out here.
+                # The running variance takes the biased variance (the design's rule) or the
+                # unbiased one (PyTorch's, bn_running_var="unbiased"): written out here.
                 zd = z.detach()
                 mean = zd.mean(dim=(0, 2, 3))
-                var = zd.var(dim=(0, 2, 3), unbiased=False)
+                var = zd.var(dim=(0, 2, 3), unbiased=False) * spec.running_var_scale(zd.numel() // zd.shape[1])
                 m = spec.bn_momentum
+                if m is None:  # BatchNorm2d(momentum=None): 1 / the batches counted with this one
+                    tracked = np.array(int(tracked) + 1, np.int64)
+                    m = 1.0 / float(tracked)
                 rm, rv = (1 - m) * rm + m * mean, (1 - m) * rv + m * var
             out["running_mean"], out["running_var"] = rm.numpy(), rv.numpy()
+            if tracked is not None:
+                out["num_batches_tracked"] = np.array(tracked, np.int64)
         else:  # layer norm: per sample over (OH, OW, OC), gamma/beta per channel
             zn = z.permute(0, 2, 3, 1)
             a = F.layer_norm(zn, zn.shape[1:], eps=spec.bn_epsilon)
