@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
-from conv2d.spec import LayerSpec, Normalization
+from conv2d.spec import LayerSpec
 
 
 @runtime_checkable
@@ -147,10 +147,6 @@ def not_taken(name: str, spec: LayerSpec) -> str | None:
         return ("batch_invariant: the CUDA backend does not give batch-invariant results yet (cuDNN's plans and "
                 "the kernels' partitions are chosen per batch size); the reference backend does, or use "
                 "batch_invariant=False")
-    if (spec.normalization is Normalization.BATCH_NORM and spec.bn_track_running_stats
-            and spec.bn_momentum is None):
-        return ("bn_momentum=None: the CUDA backend does not keep the cumulative average's batch count yet; "
-                "the reference backend and the PyTorch module (momentum=None) do")
     return None
 
 

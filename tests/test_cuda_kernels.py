@@ -316,6 +316,28 @@ def test_the_fast_statistics_are_the_simple_ones(norm):
         np.testing.assert_allclose(got, want, rtol=1e-4, err_msg=name)
 
 
+@pytest.mark.parametrize("kernels", ["fast", "simple"])
+def test_the_cumulative_average_counts_the_batches_like_the_reference(kernels):
+    """bn_momentum=None: each training forward counts num_batches_tracked up on the
+    device, then moves the running statistics 1/count of the way; an eval forward counts
+    nothing. Three batches agree with the reference's state."""
+    spec = LayerSpec(batch_size=3, in_height=6, in_width=5, in_channels=3, out_channels=4, kernel=3, padding=1,
+                     activation="relu", normalization="batch_norm", dtype="float32", bn_momentum=None,
+                     bn_running_var="unbiased")
+    ours = make_layer(spec, backend="cuda", convolutions=HostConvolutions, kernels=kernels)
+    ref = make_layer(spec)
+    ours.load_state_dict(ref.state_dict())
+    for seed in range(3):
+        x, _ = random_inputs(spec, seed=seed)
+        for layer in (ours, ref):
+            layer.forward(x, training=True)
+            layer.forward(x, training=False)
+    got, want = ours.state_dict(), ref.state_dict()
+    assert got["num_batches_tracked"] == want["num_batches_tracked"] == 3
+    for k in ("running_mean", "running_var"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
 def test_the_cuda_bias_gradient_sums_d_z_as_stored_like_the_reference():
     """Both backends sum d_z rounded to bfloat16 for the bias gradient. Against the
     reference's sum, the CUDA backend's differs only by its summation order (a float32

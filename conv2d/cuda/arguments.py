@@ -102,8 +102,8 @@ class Arguments:
             if isinstance(a, np.ndarray) or not hasattr(a, "shape"):
                 raise TypeError(f"{group}[{k!r}]: expected a device array (the CUDA backend reads and writes "
                                 f"them in place), got {type(a).__name__}")
-            views[k] = device_view(self.cuda, f"{group}[{k!r}]", a, self.spec.dtype if dt == self.storage else
-                                   DType.FLOAT32, shape, flat=True)
+            as_ = self.spec.dtype if dt == self.storage else (dt if dt == np.int64 else DType.FLOAT32)
+            views[k] = device_view(self.cuda, f"{group}[{k!r}]", a, as_, shape, flat=True)
         return views
 
     def grads_out(self, grads_out: Mapping[str, Any]) -> dict[str, Any]:

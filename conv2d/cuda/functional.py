@@ -170,7 +170,8 @@ class Functions:
             simple.simple_set(spec.dtype.value, spec.activation, parameter) if kernels == "simple" else None,
             simple.simple_set("float32", spec.activation, parameter) if kernels == "simple" else None,
             self._dummy, Launcher(current, fast_paths),
-            padding_kernels(spec.dtype.value) if spec.pads_with_copies else None, constants, discard)
+            padding_kernels(spec.dtype.value) if spec.pads_with_copies else None, constants, discard,
+            cuda.device_array(1, np.int64))
         self._allocator = OutputAllocator(cuda, own)
         self._outputs = Outputs(spec, cuda, self._allocator, current)
         simple_kernels = kernels == "simple"

@@ -122,7 +122,7 @@ def from_device_bits(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return a.view(dtype) if a.dtype != dtype else a
 
 
-_TYPESTR = {"torch.float32": "<f4", "torch.float16": "<f2", "torch.bfloat16": "<u2"}
+_TYPESTR = {"torch.float32": "<f4", "torch.float16": "<f2", "torch.bfloat16": "<u2", "torch.int64": "<i8"}
 _TORCH_DTYPES: dict = {}  # an array's dtype object -> (is torch's, device dtype or None), seen once
 
 
@@ -141,20 +141,29 @@ def _torch_dtype(a: Any) -> tuple[bool, np.dtype | None]:
     return found
 
 
-def _want(dtype: DType) -> str:
-    st, dev_dt = storage_dtype(dtype), device_dtype(dtype)
+def _dtypes(dtype: DType | np.dtype) -> tuple[np.dtype, np.dtype]:
+    """(host dtype, device dtype) of a layer dtype, or of a NumPy dtype stored as itself
+    (num_batches_tracked's int64)."""
+    if isinstance(dtype, np.dtype):
+        return dtype, dtype
+    return storage_dtype(dtype), device_dtype(dtype)
+
+
+def _want(dtype: DType | np.dtype) -> str:
+    st, dev_dt = _dtypes(dtype)
     return f"{st}" + (" (or uint16 bfloat16 bits)" if dev_dt != st else "")
 
 
-def device_view(cuda, name: str, a: Any, dtype: DType, shape: tuple[int, ...] | None = None,
+def device_view(cuda, name: str, a: Any, dtype: DType | np.dtype, shape: tuple[int, ...] | None = None,
                 flat: bool = False) -> Any:
     """A device array over the device array `a` (numba, torch CUDA, or any
     `__cuda_array_interface__` object such as CuPy's), no copy, after checking its dtype
     (the storage dtype, or uint16 bits for bfloat16), C-contiguity and, if given, `shape`
     (with `flat`, its size alone); `flat` gives a 1-D view. Raises before any work.
     A torch tensor gives a `views.ForeignArray` (its address; numba's array only when
-    numba is handed it), anything else a numba array."""
-    st, dev_dt = storage_dtype(dtype), device_dtype(dtype)
+    numba is handed it), anything else a numba array. `dtype`: a layer dtype, or a NumPy
+    dtype the device stores as is (int64)."""
+    st, dev_dt = _dtypes(dtype)
     got_shape = tuple(a.shape)
     size = math.prod(got_shape)  # math.prod: np.prod costs microseconds, and this runs on every call
     if shape is not None and got_shape != tuple(shape) and not (flat and size == math.prod(shape)):

@@ -57,6 +57,7 @@ class Kernels:
     padding: tuple | None = None
     constants: dict | None = None
     discard: dict | None = None
+    count_dummy: Any = None  # int64, one element: num_batches_tracked where the spec has none
 
     def norm_params(self, p: dict) -> dict[str, Any]:
         return {"gamma": p.get("gamma", self.dummy), "beta": p.get("beta", self.dummy)}
@@ -83,7 +84,8 @@ def _rows(k: Kernels, plan: ShapePlan, key: LaunchKey, **args: Any) -> None:
     s, d = k.spec, k.dummy
     counter = k.cuda.to_device(np.zeros(plan.counter_size, np.int32), stream=k.launch.current())
     full = dict(z=d, d_y=d, out=d, mean=d, inv_std=d, gamma=d, beta=d, sums=d, batch_stats=False,
-                count=np.float32(1.0), epsilon=np.float32(s.bn_epsilon), momentum=np.float32(s.bn_momentum),
+                count=np.float32(1.0), epsilon=np.float32(s.bn_epsilon),
+                momentum=np.float32(-1.0 if s.bn_momentum is None else s.bn_momentum), batches=k.count_dummy,
                 var_scale=np.float32(1.0), M=plan.M, C=plan.C, S=plan.S, out0=plan.col[0], out1=plan.col[1],
                 counter=counter, acc0=d, acc1=d, accumulate=K.ACC_NONE)
     full.update({n: (np.float32(v) if n in ("count", "var_scale") else v) for n, v in args.items()})
@@ -124,9 +126,14 @@ def statistics(k: Kernels, plan: ShapePlan, p: dict, r: dict | None, z: Any, sta
         return False
     if norm is Normalization.BATCH_NORM:
         update = r is not None
+        batches = k.count_dummy
+        if update and s.bn_momentum is None:  # the cumulative average: count this batch first
+            batches = r["num_batches_tracked"]
+            k.launch(plan.launches, LaunchKey("count_batch", buffers), simple.count_batch, 1, 1, {},
+                     batches=batches)
         _rows(k, plan, LaunchKey("batch_norm_statistics", buffers, (("update", update),)), z=z, mean=mean,
               inv_std=inv_std, count=plan.M, var_scale=s.running_var_scale(plan.M) if update else 1.0,
-              acc0=r["running_mean"] if update else d, acc1=r["running_var"] if update else d,
+              acc0=r["running_mean"] if update else d, acc1=r["running_var"] if update else d, batches=batches,
               accumulate=K.ACC_ADD if update else K.ACC_NONE)
         return True
     n = plan.spec.batch_size
@@ -158,7 +165,7 @@ def forward_steps(k: Kernels, plan: ShapePlan, p: dict, r: dict | None, x: Any, 
     pre_activations(k, plan, p, x, z)
     if k.simple is not None:
         return simple.forward_steps(k.simple, k.spec, (plan.M, plan.C, plan.S, plan.groups), plan.scratch, p, r, z,
-                                    y, mean, inv_std, training, k.launch.current())
+                                    y, mean, inv_std, training, k.launch.current(), k.count_dummy)
     from_batch = statistics(k, plan, p, r, z, (mean, inv_std), training, buffers)
     normalise_and_activate(k, plan, p, z, y, (mean, inv_std), buffers)
     return from_batch

@@ -330,11 +330,12 @@ def _phase_two(storage: str, config: LaunchConfig) -> SimpleNamespace:
         return t0, t1
 
     @cuda.jit(device=True, inline=True)
-    def finish(job, g, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, var_scale, C, acc0, acc1,
-               accumulate):
+    def finish(job, g, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, batches, var_scale, C, acc0,
+               acc1, accumulate):
         # Phase two's result for channel g from its totals t0, t1. The running variance
         # takes the biased variance times var_scale (1, or count / (count - 1) for the
-        # unbiased rule).
+        # unbiased rule). A momentum < 0 stands for the cumulative average: 1 / the
+        # batches counted (batches[0], this one included: count_batch ran first).
         if job == STATISTICS:
             # Shifted sums: t0 = sum(z - shift), t1 = sum((z - shift)^2), shift = z[0, g].
             shifted_mean = t0 / count
@@ -343,8 +344,9 @@ def _phase_two(storage: str, config: LaunchConfig) -> SimpleNamespace:
             mean[g] = mu
             inv_std[g] = ONE / math.sqrt(var + epsilon)
             if accumulate == ACC_ADD:  # the running statistics
-                acc0[g] = (ONE - momentum) * acc0[g] + momentum * mu
-                acc1[g] = (ONE - momentum) * acc1[g] + momentum * (var * var_scale)
+                m = momentum if momentum >= ZERO else ONE / np.float32(batches[0])
+                acc0[g] = (ONE - m) * acc0[g] + m * mu
+                acc1[g] = (ONE - m) * acc1[g] + m * (var * var_scale)
         elif job == NORM_GRADIENTS:
             sums[g] = t0
             sums[C + g] = t1
@@ -361,7 +363,7 @@ def _phase_two(storage: str, config: LaunchConfig) -> SimpleNamespace:
 
     @cuda.jit(device=True, inline=True)
     def phase_two(job, p, t, out0, out1, s0, s1, ticket, counter, C, z, mean, inv_std, sums, count, epsilon,
-                  momentum, var_scale, acc0, acc1, accumulate):
+                  momentum, batches, var_scale, acc0, acc1, accumulate):
         # Phase two in two levels when there are several groups of PHASE_GROUP blocks:
         # the last block of a group to finish adds the group's partials in block order
         # into row P + group; the last group to finish adds those in group order and
@@ -403,8 +405,8 @@ def _phase_two(storage: str, config: LaunchConfig) -> SimpleNamespace:
                     out0[(P + group) * C + c] = t0
                     out1[(P + group) * C + c] = t1
                 else:
-                    finish(job, c, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, var_scale, C, acc0,
-                           acc1, accumulate)
+                    finish(job, c, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, batches, var_scale, C,
+                           acc0, acc1, accumulate)
             if level == 0:
                 if t == 0:
                     counter[1 + group] = 0
@@ -434,8 +436,8 @@ def row_kernels(storage: str, activation: Activation, normalization: Normalizati
 
     def make(job):
         @cuda.jit(**config.jit_options())
-        def rows(z, d_y, out, mean, inv_std, gamma, beta, sums, batch_stats, count, epsilon, momentum, var_scale,
-                 M, C, S, out0, out1, counter, acc0, acc1, accumulate):
+        def rows(z, d_y, out, mean, inv_std, gamma, beta, sums, batch_stats, count, epsilon, momentum, batches,
+                 var_scale, M, C, S, out0, out1, counter, acc0, acc1, accumulate):
             """One pass over the (M, C) values: grid P blocks of ROW_THREADS, block p takes
             the rows [p*ceil(M/P), (p+1)*ceil(M/P)). A thread keeps a lane group of LANES
             consecutive channels; with fewer lane groups than ROW_THREADS, thread t keeps
@@ -493,11 +495,11 @@ def row_kernels(storage: str, activation: Activation, normalization: Normalizati
                 cuda.syncthreads()  # the block's partials, written by its threads
                 for c in range(t, C, ROW_THREADS):
                     finish(job, c, ZERO + out0[c], ZERO + out1[c], z, mean, inv_std, sums, count, epsilon, momentum,
-                           var_scale, C, acc0, acc1, accumulate)
+                           batches, var_scale, C, acc0, acc1, accumulate)
             elif job != NORMALISE_AND_ACTIVATE:
                 ticket = cuda.shared.array(1, dtype=np.int32)
                 phase_two(job, p, t, out0, out1, s0, s1, ticket, counter, C, z, mean, inv_std, sums, count, epsilon,
-                          momentum, var_scale, acc0, acc1, accumulate)
+                          momentum, batches, var_scale, acc0, acc1, accumulate)
         return rows
 
     return {job: make(job) for job in JOBS}

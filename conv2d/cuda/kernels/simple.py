@@ -76,6 +76,23 @@ def _members(g, C, S, layer, total):
     return g, total // C, C
 
 
+@cuda.jit
+def count_batch(batches):
+    """batches[0] += 1: a training batch counted for the cumulative average
+    (bn_momentum=None; PyTorch's num_batches_tracked), before the running statistics move
+    1/batches[0] of the way. One thread."""
+    if cuda.grid(1) == 0:
+        batches[0] += 1
+
+
+def momentum_arguments(spec, running: dict, count_dummy) -> tuple:
+    """(momentum, batches) as the running-statistics kernels take them: the spec's
+    momentum and the dummy count, or -1 (the cumulative average) and num_batches_tracked."""
+    if spec.bn_momentum is None:
+        return np.float32(-1.0), running["num_batches_tracked"]
+    return np.float32(spec.bn_momentum), count_dummy
+
+
 @functools.lru_cache(maxsize=None)
 def simple_set(storage: str, activation: Activation, parameter: float | None = None) -> SimpleSet:
     """The simple kernels for values stored as `storage` ("float32", "float16", "bfloat16")
@@ -125,12 +142,15 @@ def simple_set(storage: str, activation: Activation, parameter: float | None = N
             out[g] = ONE / math.sqrt(var[g] + epsilon)
 
     @cuda.jit
-    def update_running(running, stat, momentum, scale):
+    def update_running(running, stat, momentum, batches, scale):
         """norm.update_running: running = (1 - momentum) * running + momentum * stat *
-        scale (scale: the unbiased-variance factor, or 1) (one thread a channel)."""
+        scale (scale: the unbiased-variance factor, or 1) (one thread a channel); a
+        momentum < 0 stands for the cumulative average, 1 / batches[0] (the batches
+        counted by count_batch, this one included)."""
         c = cuda.grid(1)
         if c < running.size:
-            running[c] = (ONE - momentum) * running[c] + momentum * (stat[c] * scale)
+            m = momentum if momentum >= ZERO else ONE / np.float32(batches[0])
+            running[c] = (ONE - m) * running[c] + m * (stat[c] * scale)
 
     @cuda.jit
     def activation_input(z, mean, inv_std, gamma, beta, C, S, layer, a, x_hat):
@@ -257,10 +277,12 @@ def _run(kernel, n: int, stream, *args) -> None:
 
 
 def forward_steps(k: SimpleSet, spec, shape: tuple, scratch: Scratch, params: dict, running: dict | None,
-                  z, y, mean, inv_std, training: bool, stream) -> bool:
+                  z, y, mean, inv_std, training: bool, stream, count_dummy) -> bool:
     """y = act(norm(z)) from the stored pre-activations z (flat (M*C) values), filling mean
     and inv_std of the norm and, for a training batch norm, updating `running` in place;
-    returns whether the statistics came from the batch. `shape`: (M, C, S, groups)."""
+    returns whether the statistics came from the batch. `shape`: (M, C, S, groups);
+    `count_dummy`: a one-element int64 array standing for num_batches_tracked where the
+    spec has none."""
     from conv2d.spec import Normalization
 
     M, C, S, groups = shape
@@ -275,9 +297,11 @@ def forward_steps(k: SimpleSet, spec, shape: tuple, scratch: Scratch, params: di
         _run(k.statistics, groups, stream, s.z, C, S, layer, mean, s.var)
         _run(k.inverse_std, groups, stream, s.var, eps, inv_std)
         if not layer and running is not None:
-            mom = np.float32(spec.bn_momentum)
-            _run(k.update_running, C, stream, running["running_mean"], mean, mom, np.float32(1.0))
-            _run(k.update_running, C, stream, running["running_var"], s.var, mom,
+            mom, batches = momentum_arguments(spec, running, count_dummy)
+            if spec.bn_momentum is None:
+                _run(count_batch, 1, stream, batches)
+            _run(k.update_running, C, stream, running["running_mean"], mean, mom, batches, np.float32(1.0))
+            _run(k.update_running, C, stream, running["running_var"], s.var, mom, batches,
                  np.float32(spec.running_var_scale(M)))
         from_batch = True
     else:
