@@ -1,6 +1,8 @@
 """The CUDA backend's numba kernels and their orchestration, with the reference standing in
 for cuDNN: in numba's CUDA simulator where there is no GPU (CI), on the GPU where there is."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -459,6 +461,28 @@ def test_the_numba_depthwise_convolutions_match_the_reference(case, dtype):
     for k, g in ref.grad_dict().items():
         close(ours.grad_dict()[k], g, k)
     close(to_host(ours.evaluate(x), st), ref.evaluate(x), "evaluate")
+
+
+@pytest.mark.parametrize("case", list(DEPTHWISE_CASES))
+def test_the_fast_depthwise_weight_gradient_is_bitwise_the_simple_one(case):
+    """kernels/depthwise.py's fast first phase (a thread a channel, the taps in
+    registers) adds the simple kernel's products in the simple kernel's order."""
+    from conv2d.cuda.depthwise import DepthwiseConvolutions
+    from conv2d.cuda.launch import Launcher
+    from conv2d.cuda.plans import convolution_spec
+
+    spec = convolution_spec(LayerSpec(**{**dict(batch_size=3, in_height=7, in_width=6, in_channels=4,
+                                                out_channels=4, kernel=3, padding=1, groups=4, dtype="float32"),
+                                         **DEPTHWISE_CASES[case]}))
+    x, d_z = (cuda.to_device(a.reshape(-1)) for a in random_inputs(spec))
+    stream = cuda.stream()
+    grads = {}
+    for simple in (True, False):
+        d_w = cuda.device_array(math.prod(spec.weight_shape), np.float32)
+        DepthwiseConvolutions(cuda, spec, Launcher(lambda: stream, False), simple).backward_filter(x, d_z, d_w)
+        grads[simple] = d_w.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(grads[False].view(np.uint32), grads[True].view(np.uint32))
 
 
 def test_the_numba_depthwise_convolutions_refuse_a_layer_that_is_not_depthwise():

@@ -5,8 +5,9 @@ launches are prepared once per input shape and run on the layer's current stream
 they are captured in CUDA graphs like the other kernels.
 
 cuDNN's depthwise graphs measured 1.4-2.6x PyTorch's training step on the MobileNetV2
-shape (docs/bench_cuda.md); these kernels are the simple ones, one thread a value, not
-yet timed on a GPU: the default stays cuDNN until they are measured against it.
+shape (docs/bench_cuda.md). The forward and the input gradient take one thread a value
+(as PyTorch's own depthwise kernels); the weight gradient's first phase one thread a
+channel (kernels/depthwise.py's fast kernel; the simple one with kernels="simple").
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from conv2d.cuda import kernels as K
-from conv2d.cuda.kernels.depthwise import depthwise_kernels
+from conv2d.cuda.kernels.depthwise import depthwise_kernels, weight_partials_by_channel
 from conv2d.cuda.kernels.layout import window_geometry
 from conv2d.cuda.launch import Launcher, LaunchKey
 from conv2d.spec import LayerSpec
@@ -32,11 +33,15 @@ def is_depthwise(spec: LayerSpec) -> bool:
 class DepthwiseConvolutions:
     """The convolutions of one input shape (`spec`, zero padding: cuDNN's convolution
     spec; a depthwise one, which Functions checks), launched by `launch` (the layer's
-    Launcher)."""
+    Launcher); the weight gradient's first phase by the fast kernel (a thread a channel),
+    or with `simple` by the simple one (a thread a tap and channel): the same partials."""
 
-    def __init__(self, cuda: Any, spec: LayerSpec, launch: Launcher) -> None:
+    def __init__(self, cuda: Any, spec: LayerSpec, launch: Launcher, simple: bool = False) -> None:
         self.spec, self._launch = spec, launch
         self._kernels = depthwise_kernels(spec.dtype.value)
+        kh, kw = spec.kernel
+        self._simple = simple
+        self._weight_partials = self._kernels[2] if simple else weight_partials_by_channel(spec.dtype.value, kh, kw)
         n, h, w, c = spec.input_shape
         _, oh, ow, oc = spec.output_shape
         kh, kw = spec.kernel
@@ -67,8 +72,11 @@ class DepthwiseConvolutions:
                      *K.elementwise_grid(self._sizes["x"]), self._geometry, d_z=d_z, w=w, d_x=d_x)
 
     def backward_filter(self, x: Any, d_z: Any, d_w: Any) -> None:
-        self._launch(self._launches, LaunchKey("depthwise_weight_partials"), self._kernels[2], self._P, K.WARP * 4,
-                     {**self._geometry, "partials": self._partials, "ROWS": self._rows, "P": self._P}, x=x, d_z=d_z)
+        fixed = {**self._geometry, "partials": self._partials, "ROWS": self._rows, "P": self._P}
+        if not self._simple:  # the taps are the kernel's constants
+            del fixed["KH"], fixed["KW"]
+        self._launch(self._launches, LaunchKey("depthwise_weight_partials"), self._weight_partials, self._P,
+                     K.WARP * 4, fixed, x=x, d_z=d_z)
         g = self._geometry
         self._launch(self._launches, LaunchKey("depthwise_weight_sum"), self._kernels[3],
                      *K.elementwise_grid(self._taps),

@@ -118,7 +118,7 @@ class Functions:
         tolerance, not bitwise (another summation order); each is deterministic.
         `depthwise_kernel`: for a depthwise layer, "cudnn" (default) or "numba" (the three
         convolutions by depthwise.py's kernels, no cuDNN; they also run in numba's
-        simulator)."""
+        simulator; with kernels="simple" the weight gradient's simple kernel)."""
         _check_options(spec, allow_tf32, autotune, fast_paths, kernels, launch_config, evaluate_kernel, max_shapes,
                        depthwise_kernel)
         own_convolutions = convolutions is None and depthwise_kernel == "numba"
@@ -141,7 +141,8 @@ class Functions:
         self.streams = Streams(cuda, own, stream is not None, handle)
         if own_convolutions:
             launcher = Launcher(self.streams.current_stream, fast_paths)  # the streams' method: no cycle via self
-            convolutions = lambda s: DepthwiseConvolutions(cuda, s, launcher)  # noqa: E731
+            simple_kernels = kernels == "simple"
+            convolutions = lambda s: DepthwiseConvolutions(cuda, s, launcher, simple_kernels)  # noqa: E731
         self.fast_paths, self.kernels, self.evaluate_kernel = fast_paths, kernels, evaluate_kernel
         # Row-kernel threads keep `lanes` channels read with one 8-byte load; d_y that is
         # not 8-byte aligned (a caller's offset view) is read one value at a time by the

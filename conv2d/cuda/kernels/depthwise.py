@@ -7,11 +7,19 @@ in a fixed order (no atomics): bitwise deterministic, whatever the batch.
 x (N, H, W, C), w (OC, KH, KW, 1) with OC = C * M (the channel multiplier M: output
 channel oc reads input channel oc // M), y and d_z (N, OH, OW, OC); flat, NHWC, in the
 storage format; sums in float32.
+
+`weight_partials_by_channel` is the fast phase one of the weight gradient: one thread an
+output channel, its KH*KW sums kept in registers (KH and KW compile-time constants), d_z
+loaded once a row where the simple kernel (one thread a tap and channel) loads it KH*KW
+times. It adds the same products in the same order (rows p, p + P, ... for each tap),
+so its partials are bitwise the simple kernel's (tests/test_cuda_kernels.py).
 """
 
 from __future__ import annotations
 
 import functools
+
+import numpy as np
 
 from conv2d.cuda.kernels.activation import ZERO
 from conv2d.cuda.kernels.bits import storage_io
@@ -101,3 +109,37 @@ def depthwise_kernels(storage: str) -> tuple:
             store(d_w, oc * KH * KW + tap, acc)
 
     return forward, backward_data, backward_filter_partials, backward_filter_sum
+
+
+@functools.lru_cache(maxsize=None)
+def weight_partials_by_channel(storage: str, KH: int, KW: int) -> object:
+    """The fast phase one of d_w for a KH x KW depthwise kernel (see the module docstring):
+    block p, thread oc (every blockDim-th channel) sums the rows (n, oh, ow) p, p + P, ...
+    in order into its KH*KW taps, written to partials[p, tap * OC + oc] as the simple
+    kernel's."""
+    load = storage_io(storage).load
+    TAPS = KH * KW
+
+    @cuda.jit
+    def weight_partials(x, d_z, partials, ROWS, P, H, W, C, OH, OW, OC, SH, SW, PH, PW, DH, DW, M):
+        p = cuda.blockIdx.x
+        acc = cuda.local.array(TAPS, dtype=np.float32)
+        for oc in range(cuda.threadIdx.x, OC, cuda.blockDim.x):
+            c = oc // M
+            for j in range(TAPS):
+                acc[j] = ZERO
+            for row in range(p, ROWS, P):
+                ow = row % OW
+                r = row // OW
+                oh = r % OH
+                n = r // OH
+                g = load(d_z, row * OC + oc)
+                for kh in range(KH):
+                    ih = oh * SH - PH + kh * DH
+                    for kw in range(KW):
+                        iw = ow * SW - PW + kw * DW
+                        if ih >= 0 and ih < H and iw >= 0 and iw < W:
+                            acc[kh * KW + kw] += g * load(x, ((n * H + ih) * W + iw) * C + c)
+            for j in range(TAPS):
+                partials[p * OC * TAPS + j * OC + oc] = acc[j]
+    return weight_partials
