@@ -10,9 +10,9 @@ Stages, each isolated so that both sides start from the same inputs:
 - the norm: a 1x1 convolution with identity weights (z = x exactly) before batch norm
   (statistics: the batch's mean and 1/std; normalise: y; its backward: d_z, gamma's and
   beta's gradients) and the bias gradient (the sum of d_z).
-`--network`: the CIFAR conv-BN-ReLU network of scripts/bench_networks.py (8 layers, N=128),
-the module swapped in: the first backward's gradient of every parameter, ours and
-PyTorch's float32 against PyTorch's float64.
+`--network`: the CIFAR conv-BN-ReLU network (8 layers, N=128) and the Nature-DQN (N=32) of
+scripts/bench_networks.py, the module swapped in: the first backward's gradient of every
+parameter, ours and PyTorch's in float32 and in bfloat16 against PyTorch's float64.
 
 Ours is the CUDA backend on a GPU (TF32 off on both sides, PyTorch's cuDNN deterministic)
 and the reference backend with `--device cpu`. Prints a table (ratio: ours / PyTorch's
@@ -121,34 +121,52 @@ def norm_stages(name: str, device: str, rng) -> list[tuple[str, float, float]]:
             zip(stages, (y, d_z, g["gamma"], g["beta"], g["bias"]), theirs, exact, scales)]
 
 
-def network_rows(device: str) -> list[tuple[str, float, float]]:
-    """The CIFAR conv-BN-ReLU network's first backward: each parameter's gradient error."""
-    from bench_networks import network
+NETWORK_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def network_errors(name: str, dtype: str, device: str) -> dict[str, tuple[float, float]]:
+    """parameter -> (ours, PyTorch's) error of its gradient in the first backward of the
+    network `name` of scripts/bench_networks.py (its training batch, MSE loss against a
+    random target), at `dtype` on both sides, against the same network in float64."""
+    from bench_networks import NETWORKS, network
 
     from conv2d.torch import swap
 
-    exact_net = network("cifar_resnet").double().to(device)
-    theirs = copy.deepcopy(exact_net).float()
-    mine = swap(copy.deepcopy(exact_net)).float()
+    (c, h, w), batch, outputs = NETWORKS[name]
+    exact_net = network(name).double().to(device)
+    theirs = copy.deepcopy(exact_net).to(NETWORK_DTYPES[dtype])
+    mine = swap(copy.deepcopy(exact_net)).to(NETWORK_DTYPES[dtype])
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(128, 3, 32, 32, generator=g, dtype=torch.float64).to(device)
-    target = torch.randn(128, 10, generator=g, dtype=torch.float64).to(device)
+    x = torch.randn(batch, c, h, w, generator=g, dtype=torch.float64).to(device)
+    target = torch.randn(batch, outputs, generator=g, dtype=torch.float64).to(device)
     grads = []
-    for model, dtype in ((exact_net, torch.float64), (theirs, torch.float32), (mine, torch.float32)):
+    for model, dt in ((exact_net, torch.float64), (theirs, NETWORK_DTYPES[dtype]), (mine, NETWORK_DTYPES[dtype])):
         model.train()
-        xm = x.to(dtype).contiguous(memory_format=torch.channels_last)
-        F.mse_loss(model(xm), target.to(dtype)).backward()
+        xm = x.to(dt).contiguous(memory_format=torch.channels_last)
+        F.mse_loss(model(xm).double(), target).backward()
         grads.append({k: v.grad.double().cpu().numpy() for k, v in model.state_dict(keep_vars=True).items()
                       if isinstance(v, torch.nn.Parameter)})
     exact, torch_grads, our_grads = grads
-    return [(f"cifar_resnet {k}", error(our_grads[k], e), error(torch_grads[k], e)) for k, e in exact.items()]
+    return {k: (error(our_grads[k], e), error(torch_grads[k], e)) for k, e in exact.items()}
+
+
+def network_rows(device: str, networks: str) -> list[tuple[str, float, float]]:
+    """Each network's first backward, float32 and bfloat16: each parameter's gradient error."""
+    rows = []
+    for name in networks.split(","):
+        for dtype in NETWORK_DTYPES:
+            if dtype == "bfloat16" and device == "cpu":
+                continue  # the reference's bfloat16 is not what users run on the CPU; slow too
+            rows += [(f"{name} {dtype} {k}", o, t) for k, (o, t) in network_errors(name, dtype, device).items()]
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     ap.add_argument("--shapes", default="rl_dqn_l1,rl_small,resnet_56,resnet_28")
-    ap.add_argument("--network", action="store_true", help="also the deep network's parameter gradients")
+    ap.add_argument("--network", action="store_true", help="also the deep networks' parameter gradients")
+    ap.add_argument("--networks", default="cifar_resnet,nature_dqn", help="the networks of --network")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.device == "cuda":
@@ -168,7 +186,7 @@ def main() -> None:
         emit(name, conv_stages(name, args.device, rng))
         emit(name, norm_stages(name, args.device, rng))
     if args.network:
-        emit("network", network_rows(args.device))
+        emit("network", network_rows(args.device, args.networks))
     if args.out:
         path = Path(args.out) / "accuracy_cuda.md"
         path.write_text("\n".join(["# conv2d: float32 accuracy by stage, ours beside PyTorch's", "",
