@@ -3,14 +3,18 @@
 import pytest
 
 from conv2d.cli import main
+from conv2d.testing.golden import golden_files
+from conftest import GOLDEN_DIR
+
+CHECKS = len(golden_files(GOLDEN_DIR)) * 4  # every golden spec at four dtypes
 
 
 def test_check_passes_on_the_reference_backend_and_says_so(capsys):
     assert main(["check", "--backends", "reference"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("| spec | dtype | backend | worst error / tolerance")
-    assert sum("| reference |" in line for line in lines) == 35 * 4  # every golden spec at four dtypes
-    assert lines[-1].startswith("conv2d check: all 140 checks passed")
+    assert sum("| reference |" in line for line in lines) == CHECKS
+    assert lines[-1].startswith(f"conv2d check: all {CHECKS} checks passed")
 
 
 def test_check_fails_with_exit_code_1_when_a_result_is_out_of_tolerance(capsys, monkeypatch):
@@ -19,7 +23,7 @@ def test_check_fails_with_exit_code_1_when_a_result_is_out_of_tolerance(capsys, 
     monkeypatch.setattr(golden, "tolerance", lambda dtype, n, jump=False: 1e-30)
     assert main(["check", "--backends", "reference"]) == 1
     out = capsys.readouterr().out
-    assert "FAILED" in out and out.strip().splitlines()[-1].startswith("conv2d check: 140 of 140 checks FAILED")
+    assert "FAILED" in out and out.strip().splitlines()[-1].startswith(f"conv2d check: {CHECKS} of {CHECKS} checks FAILED")
 
 
 def test_check_names_why_the_cuda_backend_is_not_checked(capsys):

@@ -56,10 +56,21 @@ def test_inverse_std_is_one_over_the_root_of_var_plus_epsilon():
     np.testing.assert_allclose(out, norm.inverse_std(var.astype(np.float64), 1e-5), **CLOSE)
 
 
-def test_update_running_averages_with_momentum_and_the_variance_scale():
+@pytest.mark.parametrize("momentum, batches, weight", [(0.1, 7, 0.1), (-1.0, 4, 0.25)],
+                         ids=["momentum", "cumulative"])
+def test_update_running_averages_with_momentum_and_the_variance_scale(momentum, batches, weight):
+    """A momentum of -1 stands for the cumulative average: 1 / the batches counted."""
     running, stat = values(2, (C,)), values(3, (C,))
-    out, _, _, _ = launch(kernels().update_running, C, running.copy(), stat, np.float32(0.1), np.float32(1.25))
-    np.testing.assert_allclose(out, norm.update_running(running.astype(np.float64), stat * 1.25, 0.1), **CLOSE)
+    out, *_ = launch(kernels().update_running, C, running.copy(), stat, np.float32(momentum),
+                     np.array([batches], np.int64), np.float32(1.25))
+    np.testing.assert_allclose(out, norm.update_running(running.astype(np.float64), stat * 1.25, weight), **CLOSE)
+
+
+def test_count_batch_counts_one_batch():
+    from conv2d.cuda.kernels.simple import count_batch
+
+    batches, = launch(count_batch, 1, np.array([6], np.int64))
+    assert batches.tolist() == [7]
 
 
 @pytest.mark.parametrize("which", NORMS)
