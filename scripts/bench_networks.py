@@ -37,7 +37,7 @@ from torch import nn  # noqa: E402
 
 # name -> (input (C, H, W), training batch, outputs)
 NETWORKS = {"nature_dqn": ((4, 84, 84), 32, 6), "impala_cnn": ((3, 64, 64), 256, 15),
-            "cifar_resnet": ((3, 32, 32), 128, 10)}
+            "cifar_resnet": ((3, 32, 32), 128, 10), "digits_cnn": ((1, 8, 8), 32, 10)}
 MODES = ("eager", "graph", "compile", "reduce-overhead")
 PRECISIONS = ("default", "strict", "bfloat16")
 
@@ -70,6 +70,10 @@ def network(name: str) -> nn.Module:
             c = out
         return nn.Sequential(*layers, nn.Flatten(), nn.ReLU(), nn.Linear(32 * 8 * 8, 256), nn.ReLU(),
                              nn.Linear(256, outputs))
+    if name == "digits_cnn":  # the README's demo (conv2d/demos/digits.py), its output the last conv's
+        return nn.Sequential(nn.Conv2d(c, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                             nn.Conv2d(16, 32, 3, 2, 1), nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, outputs, 4),
+                             nn.Flatten())
     blocks, widths = [], [(c, 64, 1), (64, 64, 1), (64, 64, 1), (64, 128, 2), (128, 128, 1), (128, 128, 1),
                           (128, 256, 2), (256, 256, 1)]
     for cin, cout, stride in widths:

@@ -1,6 +1,6 @@
 """PyTorch's convolution options in random combinations (Hypothesis): the reference backend
 in float64 against PyTorch's autograd in float64 (conv2d.testing.torch_oracle), forward
-in training and eval, d_x and every parameter gradient."""
+in training and eval, d_x, every parameter gradient and the running statistics."""
 
 import numpy as np
 import pytest
@@ -43,6 +43,7 @@ def specs(draw):
         fields["bn_affine"] = draw(st.booleans())
     if fields["normalization"] == "batch_norm":
         fields["bn_track_running_stats"] = draw(st.booleans())
+        fields["bn_momentum"] = draw(st.sampled_from([0.1, 0.7, None]))  # None: the cumulative average
     if fields["activation"] == "leaky_relu":
         fields["negative_slope"] = draw(st.floats(-0.5, 0.5))
     if fields["activation"] == "elu":
@@ -65,3 +66,7 @@ def test_random_option_combinations_match_pytorch_in_float64(spec, training):
     np.testing.assert_allclose(layer.backward_full(x, d_y), want["d_x"], rtol=1e-9, atol=1e-11)
     for name, grad in layer.grad_dict().items():
         np.testing.assert_allclose(grad, want[f"grad.{name}"], rtol=1e-9, atol=1e-11, err_msg=name)
+    state = layer.state_dict()
+    for name in ("running_mean", "running_var", "num_batches_tracked"):  # those the layer keeps
+        if name in state:
+            np.testing.assert_allclose(state[name], want[name], rtol=1e-10, atol=1e-12, err_msg=name)
