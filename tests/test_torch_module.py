@@ -122,6 +122,20 @@ def test_an_nhwc_module_gives_the_nchw_modules_results_bitwise_in_nhwc(norm):
     torch.testing.assert_close(nhwc.state_dict(), nchw.state_dict(), rtol=0, atol=0)
 
 
+def test_a_cpu_call_leaves_numpys_blas_at_one_thread_beside_torchs():
+    """Two thread pools on the same cores slow each other (conv2d.torch.calls.one_blas_thread):
+    the module's first CPU call sets NumPy's BLAS to one thread for the process."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from conv2d.torch import calls
+
+    calls.one_blas_thread.cache_clear()
+    with threadpool_limits(limits=2, user_api="blas"):
+        module = Conv2dNormActivation(3, 4, 3, padding=1, norm="batch_norm")
+        module(torch.randn(2, 3, 5, 5))
+        assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == {1}
+
+
 def test_cuda_graphs_other_than_a_bool_is_refused():
     with pytest.raises(TypeError, match="cuda_graphs: expected a bool, got 'yes'"):
         Conv2dNormActivation(3, 5, cuda_graphs="yes")

@@ -1,6 +1,7 @@
 """What both of the module's autograd paths use (the eager node, conv2d.torch.eager, and the
 registered ops, conv2d.torch.ops): detached parameter dicts, the CUDA functions' saved
-outputs as torch tensors, the capture guard, and the first-order-only backward."""
+outputs as torch tensors, the call context (CUDA capture, CPU threads), and the first-order-only
+backward."""
 
 from __future__ import annotations
 
@@ -50,13 +51,31 @@ def first_order_only(backward: Callable[..., tuple]) -> Callable[..., tuple]:
     return wrapper
 
 
-def in_capture(fn: Any, x: Tensor) -> contextlib.AbstractContextManager:
-    """While torch's current stream is captured into a CUDA graph (torch.cuda.graph, or
-    torch.compile's CUDA graphs), the CUDA functions' calls defer numba's frees (a free
-    would invalidate the capture); otherwise nothing."""
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+def call_context(fn: Any, x: Tensor) -> contextlib.AbstractContextManager:
+    """What a backend call on x runs under. While torch's current stream is captured into
+    a CUDA graph (torch.cuda.graph, or torch.compile's CUDA graphs), the CUDA functions'
+    calls defer numba's frees (a free would invalidate the capture). On the CPU, NumPy's
+    BLAS is first set to one thread for the process (`one_blas_thread`). Otherwise nothing."""
+    if not x.is_cuda:
+        one_blas_thread()
+        return contextlib.nullcontext()
+    if torch.cuda.is_current_stream_capturing():
         return fn.deferred_frees()
     return contextlib.nullcontext()
+
+
+@functools.lru_cache(maxsize=None)
+def one_blas_thread() -> None:
+    """Set NumPy's BLAS to one thread, once, for the process (threadpoolctl): the module's
+    first CPU call does, since torch's own intra-op threads take the cores. With both
+    pools at the cores' count each slows the other: the digits CNN's training step took
+    10.3 ms with the module (PyTorch's own 1.1 ms) and 2.4 ms with one BLAS thread or one
+    torch thread (2 cores, /tmp probe of scripts/bench_networks.py's models). Limiting per
+    call and restoring after did not help (10.9 ms): the restored pool's threads compete
+    again. `threadpoolctl.threadpool_limits` sets it back for a caller who wants to."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=1, user_api="blas")
 
 
 @contextlib.contextmanager

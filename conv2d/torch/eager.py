@@ -33,7 +33,7 @@ from torch import Tensor
 
 from conv2d.arrays import to_library
 from conv2d.torch.graphs import CallGraphs
-from conv2d.torch.calls import detached, first_order_only, in_capture, param_dict, saved_outputs
+from conv2d.torch.calls import detached, first_order_only, call_context, param_dict, saved_outputs
 
 
 class Call(NamedTuple):
@@ -109,7 +109,8 @@ class EagerConv2d(torch.autograd.Function):
         x_nhwc = _nhwc(x, call.nchw)
         ctx.call = call
         if not x.is_cuda:
-            y, saved = fn.forward(call.params, x_nhwc, call.training, call.running)
+            with call_context(fn, x):
+                y, saved = fn.forward(call.params, x_nhwc, call.training, call.running)
             # The reference's saved arrays are its own (new each call): tensors over them,
             # no copy, so that autograd keeps and frees them as it does its own.
             pre, mean, inv_std = (None if a is None else to_library(a, "torch")
@@ -120,7 +121,7 @@ class EagerConv2d(torch.autograd.Function):
             out = saved_outputs(fn, x_nhwc, placeholders=False)
             pre, mean, inv_std = out["pre"], out["mean"], out["inv_std"]
             if graphs is None:
-                with in_capture(fn, x):
+                with call_context(fn, x):
                     y, _ = fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out)
             else:
                 y = torch.empty(pre.shape, dtype=x.dtype, device=x.device)
@@ -154,7 +155,7 @@ class EagerConv2d(torch.autograd.Function):
             grads, d_x = _graph_backward(call, (x, pre, mean, inv_std), d_y, want_params, want_input)
         else:
             saved = call.fn.saved(x, pre, mean, inv_std, call.batch_stats)
-            with in_capture(call.fn, d_y):  # nothing for a CPU tensor
+            with call_context(call.fn, d_y):
                 grads, d_x = call.fn.backward(call.params, saved, d_y, want_params, want_input)
         if d_x is not None and call.nchw:
             d_x = d_x.permute(0, 3, 1, 2)  # (N, C, H, W) in channels_last memory, as x

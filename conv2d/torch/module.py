@@ -403,7 +403,7 @@ class Conv2dNormActivation(nn.Module):
                 params, running = eager.parameter_dicts(weight, bias, gamma, beta, running_mean, running_var)
                 graphs = None
             if graphs is not None and (not self.cuda_graphs or torch.cuda.is_current_stream_capturing()):
-                graphs = None  # in a capture of the caller's, the launches go into it (ops.in_capture)
+                graphs = None  # in a capture of the caller's, the launches go into it (calls.call_context)
             y = eager.EagerConv2d.apply(x, weight, bias, gamma, beta, running_mean, running_var,
                                         eager.Call(fn, params, running, training, nchw,
                                                    self._spec.batch_statistics(training), graphs,

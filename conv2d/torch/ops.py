@@ -45,7 +45,7 @@ from torch import Tensor
 from conv2d.arrays import to_library
 from conv2d.backend import make_functions
 from conv2d.spec import LayerSpec, Normalization
-from conv2d.torch.calls import detached, first_order_only, in_capture, keeping_nothing, param_dict, saved_outputs
+from conv2d.torch.calls import detached, first_order_only, call_context, keeping_nothing, param_dict, saved_outputs
 
 _FUNCTIONS: dict[str, Any] = {}  # key -> a backend's Functions; one per distinct layer, device and options
 _LOCK = threading.Lock()
@@ -126,12 +126,13 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[T
     params = param_dict(weight, bias, gamma, beta)
     if x.is_cuda:
         saved_out = saved_outputs(fn, x)
-        with in_capture(fn, x), keeping_nothing(fn, x):
+        with call_context(fn, x), keeping_nothing(fn, x):
             y, _ = fn.forward(params, x, training, running, saved_out=saved_out)
         stats = [saved_out["mean"], saved_out["inv_std"]]
         pre = saved_out["pre"]
     else:
-        y, saved = fn.forward(params, x, training, running)
+        with call_context(fn, x):
+            y, saved = fn.forward(params, x, training, running)
         stats = [torch.from_numpy(a.copy()) if a is not None else torch.empty(0, dtype=torch.float32)
                  for a in (saved.mean, saved.inv_std)]
         pre = to_library(saved.pre.copy(), "torch")
@@ -165,7 +166,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[
     fn = functions(key)
     x, weight, bias, gamma, beta, d_y = detached(_nhwc(x, nchw), weight.permute(0, 2, 3, 1), bias, gamma, beta,
                                                  _nhwc(d_y, nchw))
-    with in_capture(fn, x), keeping_nothing(fn, x):
+    with call_context(fn, x), keeping_nothing(fn, x):
         saved = fn.saved(x, pre, mean, inv_std, batch_stats)
         grads, d_x = fn.backward(param_dict(weight, bias, gamma, beta), saved, d_y, want_params, want_input)
     grads = grads or {}
