@@ -16,7 +16,7 @@ TF32 off on both sides), "bfloat16". Modes: eager; the whole step captured in
 timing PyTorch then ours for `--iters` calls after warm-up (so both see the machine at the
 same moment); the ratio is ours / PyTorch (below 1: ours is faster). GPU rows time with
 CUDA events (GPU ms) and the wall clock; CPU rows with the wall clock only (modes eager
-and compile). `--out DIR` writes DIR/bench_networks.md with the provenance line.
+and compile). `--out DIR` writes DIR/bench_networks_{cuda,cpu}.md with the provenance line.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--train-batch", type=int, default=None, help="instead of each network's training batch")
-    ap.add_argument("--out", default=None, help="a folder to write bench_networks.md into")
+    ap.add_argument("--out", default=None, help="a folder to write bench_networks_{device}.md into")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     precisions = (args.precisions or ("default,strict,bfloat16" if cuda else "strict,bfloat16")).split(",")
@@ -229,7 +229,7 @@ def main() -> None:
         text = ["# conv2d: whole networks, the module swapped in vs plain PyTorch", "",
                 "Ratios are ours / PyTorch (below 1: ours is faster); medians over rounds timed in turns "
                 "(scripts/bench_networks.py's docstring says how).", "", provenance(cuda), "", *lines, ""]
-        path = Path(args.out) / "bench_networks.md"
+        path = Path(args.out) / f"bench_networks_{args.device}.md"
         path.write_text("\n".join(text))
         print(f"wrote {path}")
 

@@ -54,7 +54,7 @@ def test_the_networks_benchmark_runs_on_the_cpu_with_the_module_swapped_in(tmp_p
                      "--train-batch", "2", "--out", str(tmp_path), timeout=300).stdout
     assert "| nature_dqn | train | strict | eager |" in out and "| nature_dqn | act | strict | eager |" in out
     assert "failed" not in out
-    assert "Made by `python3 scripts/bench_networks.py" in (tmp_path / "bench_networks.md").read_text()
+    assert "Made by `python3 scripts/bench_networks.py" in (tmp_path / "bench_networks_cpu.md").read_text()
 
 
 def test_the_accuracy_script_runs_on_the_cpu_stage_by_stage():
