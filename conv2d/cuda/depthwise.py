@@ -22,8 +22,10 @@ from conv2d.cuda.kernels.layout import window_geometry
 from conv2d.cuda.launch import Launcher, LaunchKey
 from conv2d.spec import LayerSpec
 
-# Blocks of the weight gradient's first phase: each sums every P-th row (n, oh, ow).
-MAX_PARTIAL_BLOCKS = 256
+# Blocks of the weight gradient's first phase: each sums every P-th row (n, oh, ow). The
+# fast kernel's block is a thread a channel, so its grid needs about this many blocks to
+# fill a GPU (the MobileNetV2 shape: 144 channels, 401,408 rows).
+MAX_PARTIAL_BLOCKS = 1024
 
 
 def is_depthwise(spec: LayerSpec) -> bool:
@@ -75,8 +77,10 @@ class DepthwiseConvolutions:
         fixed = {**self._geometry, "partials": self._partials, "ROWS": self._rows, "P": self._P}
         if not self._simple:  # the taps are the kernel's constants
             del fixed["KH"], fixed["KW"]
+        # The fast kernel: a thread a channel, every channel in one pass of the block.
+        block = K.WARP * 4 if self._simple else min(1024, -(-self.spec.out_channels // K.WARP) * K.WARP)
         self._launch(self._launches, LaunchKey("depthwise_weight_partials"), self._weight_partials, self._P,
-                     K.WARP * 4, fixed, x=x, d_z=d_z)
+                     block, fixed, x=x, d_z=d_z)
         g = self._geometry
         self._launch(self._launches, LaunchKey("depthwise_weight_sum"), self._kernels[3],
                      *K.elementwise_grid(self._taps),
