@@ -70,9 +70,10 @@ def one_blas_thread() -> None:
     first CPU call does, since torch's own intra-op threads take the cores. With both
     pools at the cores' count each slows the other: the digits CNN's training step took
     10.3 ms with the module (PyTorch's own 1.1 ms) and 2.4 ms with one BLAS thread or one
-    torch thread (2 cores, /tmp probe of scripts/bench_networks.py's models). Limiting per
-    call and restoring after did not help (10.9 ms): the restored pool's threads compete
-    again. `threadpoolctl.threadpool_limits` sets it back for a caller who wants to."""
+    torch thread (2 cores; a one-off timing of scripts/bench_networks.py's models, each side
+    alone). Limiting per call and restoring after did not help (10.9 ms): the restored
+    pool's threads compete again. `threadpoolctl.threadpool_limits` sets it back for a
+    caller who wants to."""
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=1, user_api="blas")
