@@ -82,7 +82,7 @@ class ShapePlan:
         # Reduction scratch: the row kernels' partials (one row a block, then one a group
         # of blocks), the per-sample partials of layer norm, the totals.
         rows = self.P + config.phase_groups(self.P)
-        self.col = (alloc(rows * oc, f32), alloc(rows * oc, f32))
+        self.col = (alloc(rows * oc, np.float64), alloc(rows * oc, np.float64))  # the row kernels' partials
         self.seg = (alloc(self.Q * n, f32), alloc(self.Q * n, f32))
         self.sums_col = alloc(2 * oc, f32)
         self.sums_seg = alloc(2 * n, f32)

@@ -30,6 +30,10 @@ import numpy as np
 
 from conv2d.activations import Activation
 from conv2d.cuda.kernels.activation import ONE, ZERO, activation_functions
+
+# The summing jobs add in float64 (a thread's run of rows, the block's tree, phase two):
+# float32 sums over thousands of rows lost accuracy against PyTorch's (issue 39).
+WIDE_ZERO = np.float64(0.0)
 from conv2d.cuda.kernels.bits import load_u64, storage_io, store_u64
 from conv2d.cuda.kernels.config import MAX_LANES, ROW_SHARED, ROW_THREADS, LaunchConfig, lanes_in_8_bytes
 from conv2d.cuda.runtime import numba_cuda
@@ -296,9 +300,9 @@ def _phase_two(storage: str, config: LaunchConfig) -> SimpleNamespace:
         # Sums of partials[p * C + c] over p = base + j, base + j + stride, ... < base + n
         # for both arrays, in that order; PHASE_TWO_UNROLL loads in flight (a warp reads
         # consecutive channels).
-        b0 = cuda.local.array(PHASE_TWO_UNROLL, dtype=np.float32)
-        b1 = cuda.local.array(PHASE_TWO_UNROLL, dtype=np.float32)
-        a0, a1 = ZERO, ZERO
+        b0 = cuda.local.array(PHASE_TWO_UNROLL, dtype=np.float64)
+        b1 = cuda.local.array(PHASE_TWO_UNROLL, dtype=np.float64)
+        a0, a1 = WIDE_ZERO, WIDE_ZERO
         p = base + j
         end = base + n
         while p < end:
@@ -322,7 +326,7 @@ def _phase_two(storage: str, config: LaunchConfig) -> SimpleNamespace:
         s0[t] = u0
         s1[t] = u1
         cuda.syncthreads()
-        t0, t1 = ZERO, ZERO
+        t0, t1 = WIDE_ZERO, WIDE_ZERO
         if t < C:
             for j in range(threads_per_channel):
                 t0 += s0[j * C + t]
@@ -357,9 +361,9 @@ def _phase_two(storage: str, config: LaunchConfig) -> SimpleNamespace:
                 acc0[g] = t0 + ZERO  # + 0: -0.0 becomes +0.0, as 0 + t0 would
                 acc1[g] = t1 + ZERO
         elif accumulate == ACC_ADD:  # GRAD_PRE_ACTIVATIONS: d_b, in the storage format
-            store(acc0, g, load(acc0, g) + t0)
+            store(acc0, g, np.float32(load(acc0, g) + t0))
         elif accumulate == ACC_WRITE:
-            store(acc0, g, t0 + ZERO)
+            store(acc0, g, np.float32(t0 + WIDE_ZERO))
 
     @cuda.jit(device=True, inline=True)
     def phase_two(job, p, t, out0, out1, s0, s1, ticket, counter, C, z, mean, inv_std, sums, count, epsilon,
@@ -391,7 +395,7 @@ def _phase_two(storage: str, config: LaunchConfig) -> SimpleNamespace:
             # its channels.
             if C < ROW_THREADS:
                 threads_per_channel = ROW_THREADS // C
-                u0, u1 = ZERO, ZERO
+                u0, u1 = WIDE_ZERO, WIDE_ZERO
                 if t < threads_per_channel * C:
                     u0, u1 = column_sums(out0, out1, base, t // C, n, threads_per_channel, C, t % C)
                 t0, t1 = channel_sums(s0, s1, t, u0, u1, threads_per_channel, C)
@@ -447,10 +451,10 @@ def row_kernels(storage: str, activation: Activation, normalization: Normalizati
             last block to finish (counted in counter[0], which it resets) adds them up in
             a fixed order and finishes (`phase_two`): no second launch. A grid of one
             block finishes its own partials."""
-            s0 = cuda.shared.array(ROW_SHARED, dtype=np.float32)
-            s1 = cuda.shared.array(ROW_SHARED, dtype=np.float32)
-            sum0 = cuda.local.array(MAX_LANES, dtype=np.float32)
-            sum1 = cuda.local.array(MAX_LANES, dtype=np.float32)
+            s0 = cuda.shared.array(ROW_SHARED, dtype=np.float64)
+            s1 = cuda.shared.array(ROW_SHARED, dtype=np.float64)
+            sum0 = cuda.local.array(MAX_LANES, dtype=np.float64)
+            sum1 = cuda.local.array(MAX_LANES, dtype=np.float64)
             shift = cuda.local.array(MAX_LANES, dtype=np.float32)
             t = cuda.threadIdx.x
             p = cuda.blockIdx.x
@@ -494,7 +498,7 @@ def row_kernels(storage: str, activation: Activation, normalization: Normalizati
                 # ZERO + x: the bits that phase two's sums (from ZERO) would give.
                 cuda.syncthreads()  # the block's partials, written by its threads
                 for c in range(t, C, ROW_THREADS):
-                    finish(job, c, ZERO + out0[c], ZERO + out1[c], z, mean, inv_std, sums, count, epsilon, momentum,
+                    finish(job, c, WIDE_ZERO + out0[c], WIDE_ZERO + out1[c], z, mean, inv_std, sums, count, epsilon, momentum,
                            batches, var_scale, C, acc0, acc1, accumulate)
             elif job != NORMALISE_AND_ACTIVATE:
                 ticket = cuda.shared.array(1, dtype=np.int32)
