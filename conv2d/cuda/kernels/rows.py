@@ -12,8 +12,8 @@ compiled once for each job it does (`row_kernels`):
 
 A thread keeps a lane group of `lanes` consecutive channels (8 bytes of them, read with
 one load where the data is 8-byte aligned: `wide`); a block takes a fixed slice of rows.
-The summing jobs add their values in a fixed order into one partial per (block,
-channel) (phase one), then the last block to finish (an atomic ticket) adds the
+The summing jobs add their values in float64, in a fixed order, into one partial per
+(block, channel) (phase one), then the last block to finish (an atomic ticket) adds the
 partials in a fixed order, in two levels of `phase_group` blocks (phase two), and
 finishes the job's totals (`finish`). Within a block the threads' sums of a channel are
 added in a fixed tree (`fold_rows`). So every sum has one order, fixed by the shape,
@@ -30,16 +30,17 @@ import numpy as np
 
 from conv2d.activations import Activation
 from conv2d.cuda.kernels.activation import ONE, ZERO, activation_functions
-
-# The summing jobs add in float64 (a thread's run of rows, the block's tree, phase two):
-# float32 sums over thousands of rows lost accuracy against PyTorch's (issue 39).
-WIDE_ZERO = np.float64(0.0)
 from conv2d.cuda.kernels.bits import load_u64, storage_io, store_u64
 from conv2d.cuda.kernels.config import MAX_LANES, ROW_SHARED, ROW_THREADS, LaunchConfig, lanes_in_8_bytes
 from conv2d.cuda.runtime import numba_cuda
 from conv2d.spec import Normalization
 
 cuda = numba_cuda()
+
+# The summing jobs add in float64 (a thread's run of rows, the block's tree, phase two, the
+# partials): in float32, sums over thousands of rows had 1.2-3.4x PyTorch's error in batch
+# norm's stages, and over 1000x in a deep network's last block (docs/accuracy_cuda.md).
+WIDE_ZERO = np.float64(0.0)
 
 # The job of a row kernel (a compile-time constant of each compiled kernel).
 STATISTICS, NORM_GRADIENTS, GRAD_PRE_ACTIVATIONS, NORMALISE_AND_ACTIVATE = 0, 1, 2, 3
