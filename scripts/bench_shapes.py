@@ -88,18 +88,22 @@ def _version(dist: str) -> str:
 
 
 def provenance(gpu: bool) -> str:
-    """Where a table comes from, as one Markdown paragraph: the command, the commit (git's,
-    else $CONV2D_COMMIT for a copy without .git), the date, the machine and the library
-    versions."""
+    """Where a table comes from, as one Markdown paragraph: the command, the commit
+    ($CONV2D_COMMIT where set, else git's), the date, the machine and the library versions.
+    The device tool's copy of a working tree keeps an older .git (its git named a commit
+    hours old "with uncommitted changes"): a command run there passes the commit it was
+    sent from in $CONV2D_COMMIT."""
     root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                          text=True).stdout.strip():
-            commit += " with uncommitted changes"
-    except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("CONV2D_COMMIT", "unknown")
+    commit = os.environ.get("CONV2D_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                    text=True, check=True).stdout.strip()
+            if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                              capture_output=True, text=True).stdout.strip():
+                commit += " with uncommitted changes"
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     import numpy
     import torch
 
