@@ -44,12 +44,11 @@ class DepthwiseConvolutions:
     def __init__(self, cuda: Any, spec: LayerSpec, launch: Launcher, simple: bool = False) -> None:
         self.spec, self._launch = spec, launch
         self._kernels = depthwise_kernels(spec.dtype.value)
-        kh, kw = spec.kernel
-        self._simple = simple
-        self._weight_partials = self._kernels[2] if simple else weight_partials_by_channel(spec.dtype.value, kh, kw)
         n, h, w, c = spec.input_shape
         _, oh, ow, oc = spec.output_shape
         kh, kw = spec.kernel
+        self._simple = simple
+        self._weight_partials = self._kernels[2] if simple else weight_partials_by_channel(spec.dtype.value, kh, kw)
         self._geometry = {**window_geometry(spec), "M": oc // c}
         self._rows = n * oh * ow
         self._P = max(1, min(MAX_PARTIAL_BLOCKS, self._rows // 64))

@@ -85,7 +85,7 @@ def _rows(k: Kernels, plan: ShapePlan, key: LaunchKey, **args: Any) -> None:
     counter = k.cuda.to_device(np.zeros(plan.counter_size, np.int32), stream=k.launch.current())
     full = dict(z=d, d_y=d, out=d, mean=d, inv_std=d, gamma=d, beta=d, sums=d, batch_stats=False,
                 count=np.float32(1.0), epsilon=np.float32(s.bn_epsilon),
-                momentum=np.float32(-1.0 if s.bn_momentum is None else s.bn_momentum), batches=k.count_dummy,
+                momentum=simple.momentum_argument(s), batches=k.count_dummy,
                 var_scale=np.float32(1.0), M=plan.M, C=plan.C, S=plan.S, out0=plan.col[0], out1=plan.col[1],
                 counter=counter, acc0=d, acc1=d, accumulate=K.ACC_NONE)
     full.update({n: (np.float32(v) if n in ("count", "var_scale") else v) for n, v in args.items()})

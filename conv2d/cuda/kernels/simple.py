@@ -85,12 +85,11 @@ def count_batch(batches):
         batches[0] += 1
 
 
-def momentum_arguments(spec, running: dict, count_dummy) -> tuple:
-    """(momentum, batches) as the running-statistics kernels take them: the spec's
-    momentum and the dummy count, or -1 (the cumulative average) and num_batches_tracked."""
-    if spec.bn_momentum is None:
-        return np.float32(-1.0), running["num_batches_tracked"]
-    return np.float32(spec.bn_momentum), count_dummy
+def momentum_argument(spec) -> np.float32:
+    """The momentum as the running-statistics kernels (this set's update_running, the row
+    engine's finish) take it: the spec's, or -1 for the cumulative average
+    (bn_momentum=None), which they read from the batch count instead."""
+    return np.float32(-1.0 if spec.bn_momentum is None else spec.bn_momentum)
 
 
 @functools.lru_cache(maxsize=None)
@@ -297,8 +296,9 @@ def forward_steps(k: SimpleSet, spec, shape: tuple, scratch: Scratch, params: di
         _run(k.statistics, groups, stream, s.z, C, S, layer, mean, s.var)
         _run(k.inverse_std, groups, stream, s.var, eps, inv_std)
         if not layer and running is not None:
-            mom, batches = momentum_arguments(spec, running, count_dummy)
+            mom, batches = momentum_argument(spec), count_dummy
             if spec.bn_momentum is None:
+                batches = running["num_batches_tracked"]
                 _run(count_batch, 1, stream, batches)
             _run(k.update_running, C, stream, running["running_mean"], mean, mom, batches, np.float32(1.0))
             _run(k.update_running, C, stream, running["running_var"], s.var, mom, batches,
