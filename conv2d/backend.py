@@ -141,12 +141,8 @@ def not_taken(name: str, spec: LayerSpec) -> str | None:
     """Why backend `name` does not take `spec` yet (a feature it lacks), or None: known
     without importing the backend, so that checks and tests can say so instead of
     failing. The backend raises NotImplementedError with the same words."""
-    if name != "cuda":
-        return None
-    if spec.batch_invariant:
-        return ("batch_invariant: the CUDA backend does not give batch-invariant results yet (cuDNN's plans and "
-                "the kernels' partitions are chosen per batch size); the reference backend does, or use "
-                "batch_invariant=False")
+    # Both backends take every spec today (batch_invariant was the last gap, closed by
+    # cudnn.invariant_choice); an option that lands on one backend first is named here.
     return None
 
 

@@ -4,7 +4,7 @@ as a CUDA graph on both sides, plus a batch sweep of rl_small.
 
     python scripts/bench_cuda.py [--shapes a,b] [--dtypes float32,bfloat16] [--iters 20]
                                  [--sweep 1,2,4,...] [--no-steps] [--no-tuned] [--no-module] [--no-acting]
-                                 [--no-tf32] [--no-optim]
+                                 [--no-tf32] [--no-optim] [--no-invariance]
                                  [--out DIR]
 
 PyTorch runs nn.Conv2d (+ nn.BatchNorm2d) + nn.ReLU in channels_last with
@@ -24,7 +24,8 @@ replayed, wall time a call, beside PyTorch's eval module under no_grad; and (unl
 --no-tf32) ours with allow_tf32=True beside PyTorch's float32 default (TF32,
 cudnn.benchmark = True), eager and as CUDA graphs; and (unless --no-optim) Adam: our
 fused step beside torch.optim.Adam(fused=True), alone and inside a whole training step
-captured as one CUDA graph on each side.
+captured as one CUDA graph on each side; and (unless --no-invariance) ours with
+LayerSpec.batch_invariant beside ours without: the captured step and acting at N = 1.
 GPU time: CUDA
 events around `iters` steps on each side's stream; wall time: perf_counter around the
 same steps and a final synchronize; each the median of 5 such blocks after a warm-up,
@@ -39,6 +40,7 @@ With --out, writes bench_cuda.md, bench_cuda.json and bench_cuda.png there.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -354,6 +356,8 @@ def main() -> None:
     ap.add_argument("--no-acting", action="store_true", help="skip the acting table (evaluate at N = 1)")
     ap.add_argument("--no-tf32", action="store_true", help="skip the TF32 table")
     ap.add_argument("--no-optim", action="store_true", help="skip the optimizer table (Adam step, whole step graph)")
+    ap.add_argument("--no-invariance", action="store_true",
+                    help="skip the batch-invariance table (batch_invariant=True beside the default)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -519,6 +523,26 @@ def main() -> None:
                     f"| {t['step'][1]:.4f} | {o['step'][1] / t['step'][1]:.2f} | {o['step'][0]:.4f} "
                     f"| {t['step'][0]:.4f} | {o['step'][0] / t['step'][0]:.2f} | {o['graph'][0]:.3f} "
                     f"| {t['graph'][0]:.3f} | {o['graph'][0] / t['graph'][0]:.2f} |")
+            lines.append(line)
+            print(line, flush=True)
+    if not args.no_invariance:
+        head = ["", "## Batch invariance: ours with batch_invariant=True (one cuDNN plan at every batch size) beside "
+                "the default (cuDNN's heuristic plan per batch size); captured training step at the planned "
+                "batch, GPU ms; acting at N = 1 (evaluate and a synchronisation), wall ms", "",
+                "| shape | norm | dtype | default graph GPU | invariant graph GPU | ratio | default acting eager "
+                "| invariant acting eager | ratio | default acting graph | invariant acting graph | ratio |",
+                "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += head
+        print("\n".join(head), flush=True)
+        for name, bn, spec, x, dy in cases(args.shapes, args.dtypes):
+            inv = dataclasses.replace(spec, batch_invariant=True)
+            one = bench_spec(name, bn, spec.dtype.value, batch_size=1)
+            d_step, i_step = (ours(s, x, dy, args.iters, eager=False) for s in (spec, inv))
+            d_act, i_act = (acting_ours(s, x, args.iters) for s in (one, dataclasses.replace(one, batch_invariant=True)))
+            line = (f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} | {d_step['graph'][0]:.3f} "
+                    f"| {i_step['graph'][0]:.3f} | {i_step['graph'][0] / d_step['graph'][0]:.2f} "
+                    f"| {d_act['eager'][1]:.4f} | {i_act['eager'][1]:.4f} | {i_act['eager'][1] / d_act['eager'][1]:.2f} "
+                    f"| {d_act['graph'][1]:.4f} | {i_act['graph'][1]:.4f} | {i_act['graph'][1] / d_act['graph'][1]:.2f} |")
             lines.append(line)
             print(line, flush=True)
     sweep = []

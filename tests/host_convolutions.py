@@ -25,7 +25,7 @@ class HostConvolutions:
     def forward(self, x, w, b, y, relu=False):
         s = self.spec
         z = conv.conv_forward(self._get(x, s.input_shape), self._get(w, s.weight_shape), s.stride, s.pads,
-                              dilation=s.dilation, groups=s.groups, mode=s.padding_mode)
+                              dilation=s.dilation, groups=s.groups, mode=s.padding_mode, per_sample=s.batch_invariant)
         if b is not None:
             z += self._get(b, (s.out_channels,))
         self._put(np.maximum(z, 0) if relu else z, y, self.st)
@@ -34,7 +34,7 @@ class HostConvolutions:
         s = self.spec
         dx = conv.conv_backward_data(self._get(w, s.weight_shape), self._get(d_z, s.output_shape),
                                      (s.in_height, s.in_width), s.stride, s.pads, dilation=s.dilation,
-                                     groups=s.groups, mode=s.padding_mode)
+                                     groups=s.groups, mode=s.padding_mode, per_sample=s.batch_invariant)
         self._put(dx, d_x, self.st)
 
     def backward_filter(self, x, d_z, d_w):

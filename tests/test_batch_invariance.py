@@ -1,15 +1,17 @@
 """LayerSpec(batch_invariant=True): a sample's results are bitwise the same whatever batch
 it is computed in (its size, its other samples, its position), for every output that is
 a function of the sample alone: evaluate (any norm), the training forward without batch
-norm or with layer norm, and the input gradient of those. Reference backend (CI); the
-CUDA backend refuses the option until it has it."""
+norm or with layer norm, and the input gradient of those. Both backends: the reference
+(CI), the CUDA backend on a GPU (cuDNN's plans), and the CUDA backend's own kernels in
+numba's simulator with the host stand-in for cuDNN (CI)."""
 
 import numpy as np
 import pytest
 
 import conv2d
-from conftest import make_layer, random_inputs, small_layer_spec
+from conftest import HAVE_GPU, NO_GPU_REASON, make_layer, random_inputs, small_layer_spec
 from conv2d import LayerSpec
+from conv2d.arrays import to_host
 
 DTYPES = ["float64", "float32", "bfloat16", "float16"]
 # 1x1, 3x3 and 5x5 kernels, strides 1 to 3, 1 to 64 channels.
@@ -20,59 +22,105 @@ SHAPES = {
     "3x3s3": dict(in_height=9, in_width=9, in_channels=64, out_channels=64, kernel=3, stride=3, padding=0),
 }
 BATCHES = [1, 2, 3, 7, 31, 32, 33, 255, 256]
+GPU = pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
 
 
-def invariant_layer(shape, norm, dtype):
+def backends_and_dtypes():
+    """(backend, dtype) pairs: the reference in every dtype, the CUDA backend (GPU) in
+    those it has (no float64)."""
+    return [pytest.param("reference", d, id=f"reference-{d}") for d in DTYPES] + \
+        [pytest.param("cuda", d, id=f"cuda-{d}", marks=GPU) for d in DTYPES if d != "float64"]
+
+
+def invariant_layer(shape, norm, dtype, backend="reference", **options):
     """A layer of shape `shape` (norm parameters and running statistics away from their
     defaults) and a pool of max(BATCHES) distinct samples and output gradients."""
     spec = LayerSpec(batch_size=None, **SHAPES[shape], activation="gelu", normalization=norm, dtype=dtype,
                      batch_invariant=True)
-    return (make_layer(spec, seed=5), *random_inputs(spec.at(max(BATCHES)), seed=3))
+    return (make_layer(spec, seed=5, backend=backend, **options), *random_inputs(spec.at(max(BATCHES)), seed=3))
+
+
+def rows(a) -> np.ndarray:
+    return to_host(a)
 
 
 def assert_rows_as_alone(batched, alone_of, n, label):
     """Rows 0, n // 2 and n - 1 of `batched` (computed on a batch of n) are, byte for
     byte, what `alone_of(i)` gives for sample i computed in a batch of one."""
+    batched = rows(batched)
     for i in sorted({0, n // 2, n - 1}):
-        alone = np.asarray(alone_of(i))[0]
-        assert np.asarray(batched)[i].tobytes() == alone.tobytes(), f"{label}: row {i} of a batch of {n}"
+        alone = rows(alone_of(i))[0]
+        assert batched[i].tobytes() == alone.tobytes(), f"{label}: row {i} of a batch of {n}"
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("norm", ["none", "batch_norm", "layer_norm"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_evaluate_gives_each_sample_the_bits_it_gets_alone(dtype, norm, shape):
-    layer, x, _ = invariant_layer(shape, norm, dtype)
+@pytest.mark.parametrize("backend, dtype", backends_and_dtypes())
+def test_evaluate_gives_each_sample_the_bits_it_gets_alone(backend, dtype, norm, shape):
+    layer, x, _ = invariant_layer(shape, norm, dtype, backend)
     for n in BATCHES:
         batch = np.ascontiguousarray(x[:n])
         assert_rows_as_alone(layer.evaluate(batch), lambda i: layer.evaluate(x[i:i + 1]), n, f"evaluate, {dtype}")
         # the same samples in the opposite order: a sample's bits do not depend on its position
-        reversed_rows = np.asarray(layer.evaluate(np.ascontiguousarray(batch[::-1])))[::-1]
-        assert reversed_rows.tobytes() == np.asarray(layer.evaluate(batch)).tobytes(), f"reversed batch of {n}"
+        reversed_rows = rows(layer.evaluate(np.ascontiguousarray(batch[::-1])))[::-1]
+        assert reversed_rows.tobytes() == rows(layer.evaluate(batch)).tobytes(), f"reversed batch of {n}"
 
 
 @pytest.mark.parametrize("shape", ["1x1", "3x3", "5x5s2"])
 @pytest.mark.parametrize("norm", ["none", "layer_norm"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_the_training_forward_without_batch_norm_gives_each_sample_the_bits_it_gets_alone(dtype, norm, shape):
-    layer, x, _ = invariant_layer(shape, norm, dtype)
+@pytest.mark.parametrize("backend, dtype", backends_and_dtypes())
+def test_the_training_forward_without_batch_norm_gives_each_sample_the_bits_it_gets_alone(backend, dtype, norm,
+                                                                                           shape):
+    layer, x, _ = invariant_layer(shape, norm, dtype, backend)
     for n in BATCHES:
         assert_rows_as_alone(layer.forward(np.ascontiguousarray(x[:n])), lambda i: layer.forward(x[i:i + 1]), n,
                              f"training forward, {dtype}")
 
 
-@pytest.mark.parametrize("shape", ["1x1", "3x3", "5x5s2"])
-@pytest.mark.parametrize("norm, training", [("none", True), ("layer_norm", True), ("batch_norm", False)])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_the_input_gradient_gives_each_sample_the_bits_it_gets_alone(dtype, norm, training, shape):
-    layer, x, d_y = invariant_layer(shape, norm, dtype)
-
+def input_gradients(layer, x, d_y, training):
+    """d_x(lo, hi): the input gradient of samples lo..hi computed as one batch."""
     def d_x(lo, hi):
         layer.forward(np.ascontiguousarray(x[lo:hi]), training=training)
         return layer.backward_input(np.ascontiguousarray(d_y[lo:hi]))
+    return d_x
 
+
+@pytest.mark.parametrize("shape", ["1x1", "3x3", "5x5s2"])
+@pytest.mark.parametrize("norm, training", [("none", True), ("layer_norm", True), ("batch_norm", False)])
+@pytest.mark.parametrize("backend, dtype", backends_and_dtypes())
+def test_the_input_gradient_gives_each_sample_the_bits_it_gets_alone(backend, dtype, norm, training, shape):
+    layer, x, d_y = invariant_layer(shape, norm, dtype, backend)
+    d_x = input_gradients(layer, x, d_y, training)
     for n in BATCHES:
         assert_rows_as_alone(d_x(0, n), lambda i: d_x(i, i + 1), n, f"d_x, {dtype}")
+
+
+@pytest.mark.parametrize("norm, training", [("none", True), ("layer_norm", True), ("batch_norm", False)])
+def test_the_cuda_kernels_keep_each_samples_bits_in_the_simulator(norm, training):
+    """The CUDA backend's own kernels (activations, norms, their backward) with the host
+    stand-in for cuDNN; runs in numba's simulator where there is no GPU."""
+    pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (the test extra brings it)")
+    from host_convolutions import HostConvolutions
+
+    layer, x, d_y = invariant_layer("3x3", norm, "float32", "cuda", convolutions=HostConvolutions)
+    d_x = input_gradients(layer, x, d_y, training)
+    for n in (1, 5):
+        out = layer.forward(np.ascontiguousarray(x[:n]), training=training)
+        assert_rows_as_alone(out, lambda i: layer.forward(x[i:i + 1], training=training), n, "forward")
+        assert_rows_as_alone(d_x(0, n), lambda i: d_x(i, i + 1), n, "d_x")
+
+
+@GPU
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_batch_invariant_layer_runs_one_cudnn_plan_at_every_batch_size(dtype):
+    layer, x, d_y = invariant_layer("3x3s3", "none", dtype, "cuda")
+    seen = []
+    for n in (1, 7, 256):
+        layer.forward(np.ascontiguousarray(x[:n]))
+        layer.backward_input(np.ascontiguousarray(d_y[:n]))
+        plans = layer.functions.conv_plans
+        seen.append((plans["forward"], plans["backward_data"]))
+    assert seen[0] == seen[1] == seen[2], seen
 
 
 def test_batch_invariance_is_a_bool():
@@ -89,23 +137,15 @@ def test_batch_invariance_is_saved_and_loaded(tmp_path):
                                 if k != "batch_invariant"}).batch_invariant is False
 
 
-def test_the_cuda_backend_refuses_batch_invariance_until_it_has_it():
-    pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (the test extra brings it)")
-    from conv2d.cuda.functional import Functions
-    from host_convolutions import HostConvolutions
-
-    with pytest.raises(NotImplementedError, match="batch_invariant"):
-        Functions(small_layer_spec(batch_invariant=True), convolutions=HostConvolutions)
-
-
-def test_the_module_takes_batch_invariant_on_the_cpu():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_the_module_takes_batch_invariant(device):
     torch = pytest.importorskip("torch")
     from conv2d.torch import Conv2dNormActivation
 
     torch.manual_seed(0)
     m = Conv2dNormActivation(4, 8, 3, padding=1, norm="layer_norm", activation="gelu", dtype=torch.float32,
-                             batch_invariant=True).eval()
-    x = torch.randn(33, 4, 7, 6).contiguous(memory_format=torch.channels_last)
+                             batch_invariant=True).eval().to(device)
+    x = torch.randn(33, 4, 7, 6).contiguous(memory_format=torch.channels_last).to(device)
     with torch.no_grad():
         batched = m(x)
         for i in (0, 16, 32):
@@ -114,13 +154,14 @@ def test_the_module_takes_batch_invariant_on_the_cpu():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_breakout_actor_at_batch_one_gets_the_learners_q_values_bitwise(dtype):
+@pytest.mark.parametrize("backend", ["reference", pytest.param("cuda", marks=GPU)])
+def test_the_breakout_actor_at_batch_one_gets_the_learners_q_values_bitwise(backend, dtype):
     from conv2d.demos import breakout
     from conv2d.dtypes import storage_dtype
     from conv2d.optim import Adam
 
     st = storage_dtype(dtype)
-    q = breakout.q_network(3, 32, dtype, "reference", batch_invariant=True)
+    q = breakout.q_network(3, 32, dtype, backend, batch_invariant=True)
     q.init_weights(np.random.default_rng(0))
     net = breakout._CallByCall(q, q, Adam(q), 32, 3, st)  # the demo's actor and learner: one network
     states = (np.random.default_rng(1).random((32, 10, 10, 4)) < 0.1).astype(st)  # MinAtar's 0/1 planes

@@ -6,7 +6,9 @@ without a norm), backward-data and backward-filter. (A forward graph writing bot
 pre-activations and their ReLU builds, but cuDNN 9.19's engine for it fails at execute
 with CUDNN_STATUS_INTERNAL_ERROR, so training keeps the ReLU in the numba pass.) Plans
 are cuDNN's heuristic first choice, or with `autotune` the fastest deterministic plan
-measured on this GPU (`Graph.plan`, the engine's name, says which). Tensors are NHWC
+measured on this GPU (`Graph.plan`, the engine's name, says which); a batch-invariant
+layer's forward and backward-data run one recorded engine and knobs at every batch size
+(`invariant_choice`). Tensors are NHWC
 in memory and described to cuDNN in its NCHW dimension order with NHWC strides; weights
 (OC, KH, KW, IC / groups) likewise: cuDNN infers the groups from the filter's channel count
 (as PyTorch's cuDNN path does). Padding goes to the frontend as pre/post padding (so
@@ -19,6 +21,7 @@ compute in float32 and drop REDUCED_PRECISION_REDUCTION engines.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import threading
@@ -203,56 +206,81 @@ def _geometry(spec: LayerSpec) -> dict[str, list[int]]:
                 dilation=list(spec.dilation))
 
 
-def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autotune: Any = None) -> Graph:
+def _planned(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, config: Any = None) -> tuple[Any, dict]:
+    """The frontend graph of `op` for `spec` and its tensors by role, its plan list made
+    (cuDNN's heuristics, or the one recorded (engine id, knobs) `config`) and filtered by
+    the numerical notes, not yet built."""
     cudnn = _import_cudnn()
     dt = {DType.FLOAT32: cudnn.data_type.FLOAT, DType.FLOAT16: cudnn.data_type.HALF,
           DType.BFLOAT16: cudnn.data_type.BFLOAT16}[spec.dtype]
     f32 = cudnn.data_type.FLOAT
     d = _dims(spec)
+    conv = _geometry(spec)
+    g = cudnn.pygraph(io_data_type=dt, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+
+    def tensor(role, dtype=dt):
+        dim, stride = d[role]
+        return g.tensor(name=role, dim=dim, stride=stride, data_type=dtype)
+
+    if op in ("forward", "forward_relu"):
+        t = {"x": tensor("x"), "w": tensor("w")}
+        out = g.conv_fprop(image=t["x"], weight=t["w"], **conv)
+        if spec.bias:
+            t["b"] = tensor("b")
+            out = g.bias(input=out, bias=t["b"])
+        if op == "forward_relu":
+            out = g.relu(input=out)
+        out.set_output(True).set_data_type(dt)
+        t["y"] = out
+    elif op == "backward_data":
+        t = {"dy": g.tensor(name="dy", dim=d["y"][0], stride=d["y"][1], data_type=dt), "w": tensor("w")}
+        dx = g.conv_dgrad(loss=t["dy"], filter=t["w"], **conv)
+        dx.set_output(True).set_dim(d["x"][0]).set_stride(d["x"][1]).set_data_type(dt)
+        t["dx"] = dx
+    elif op == "backward_filter":
+        t = {"x": tensor("x"), "dy": g.tensor(name="dy", dim=d["y"][0], stride=d["y"][1], data_type=dt)}
+        dw = g.conv_wgrad(image=t["x"], loss=t["dy"], **conv)
+        # In the storage type: cuDNN has no 16-bit wgrad engine with a float32 output
+        # (INVALID_DATA_CONFIG); the layer accumulates it into the gradient itself.
+        dw.set_output(True).set_dim(d["w"][0]).set_stride(d["w"][1]).set_data_type(dt)
+        t["dw"] = dw
+    else:
+        raise ValueError(f"unknown cuDNN graph {op!r}")
+    g.validate()
+    g.build_operation_graph()
+    if config is None:
+        g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in HEUR_MODES[spec.dtype]])
+    else:  # the frontend's replay of a recorded choice: the one plan of this graph
+        engine_id, knobs = config
+        g.create_execution_plan(engine_id, dict(knobs))
+    notes = [cudnn.numerical_note.NONDETERMINISTIC]
+    if spec.dtype is DType.FLOAT32 and not allow_tf32:
+        notes += [cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS]
+    if spec.dtype in (DType.FLOAT16, DType.BFLOAT16):
+        notes += [cudnn.numerical_note.REDUCED_PRECISION_REDUCTION]
+    g.deselect_numeric_notes(notes)
+    g.check_support()
+    return g, t
+
+
+def _failure(op: str, spec: LayerSpec, e: Exception, what: str = "no deterministic engine could be built") -> CudnnError:
+    detail = ""
+    try:
+        detail = _import_cudnn().get_last_error_string()
+    except Exception:
+        pass
+    return CudnnError(f"cuDNN {op} for {spec}: {what} ({type(e).__name__}: {e}{'; ' + detail if detail else ''})")
+
+
+def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autotune: Any = None,
+           config: Any = None) -> Graph:
+    """The built graph: cuDNN's heuristic choice, the fastest with `autotune`, or the
+    recorded `config` (engine id, frozenset of (knob, value))."""
+    cudnn = _import_cudnn()
     if spec.pads_with_copies:
         raise ValueError(f"cuDNN pads with zeros only; pad the input first (padding_mode={spec.padding_mode!r})")
-    conv = _geometry(spec)
     try:
-        g = cudnn.pygraph(io_data_type=dt, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
-
-        def tensor(role, dtype=dt):
-            dim, stride = d[role]
-            return g.tensor(name=role, dim=dim, stride=stride, data_type=dtype)
-
-        if op in ("forward", "forward_relu"):
-            t = {"x": tensor("x"), "w": tensor("w")}
-            out = g.conv_fprop(image=t["x"], weight=t["w"], **conv)
-            if spec.bias:
-                t["b"] = tensor("b")
-                out = g.bias(input=out, bias=t["b"])
-            if op == "forward_relu":
-                out = g.relu(input=out)
-            out.set_output(True).set_data_type(dt)
-            t["y"] = out
-        elif op == "backward_data":
-            t = {"dy": g.tensor(name="dy", dim=d["y"][0], stride=d["y"][1], data_type=dt), "w": tensor("w")}
-            dx = g.conv_dgrad(loss=t["dy"], filter=t["w"], **conv)
-            dx.set_output(True).set_dim(d["x"][0]).set_stride(d["x"][1]).set_data_type(dt)
-            t["dx"] = dx
-        elif op == "backward_filter":
-            t = {"x": tensor("x"), "dy": g.tensor(name="dy", dim=d["y"][0], stride=d["y"][1], data_type=dt)}
-            dw = g.conv_wgrad(image=t["x"], loss=t["dy"], **conv)
-            # In the storage type: cuDNN has no 16-bit wgrad engine with a float32 output
-            # (INVALID_DATA_CONFIG); the layer accumulates it into the gradient itself.
-            dw.set_output(True).set_dim(d["w"][0]).set_stride(d["w"][1]).set_data_type(dt)
-            t["dw"] = dw
-        else:
-            raise ValueError(f"unknown cuDNN graph {op!r}")
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in HEUR_MODES[spec.dtype]])
-        notes = [cudnn.numerical_note.NONDETERMINISTIC]
-        if spec.dtype is DType.FLOAT32 and not allow_tf32:
-            notes += [cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS]
-        if spec.dtype in (DType.FLOAT16, DType.BFLOAT16):
-            notes += [cudnn.numerical_note.REDUCED_PRECISION_REDUCTION]
-        g.deselect_numeric_notes(notes)
-        g.check_support()
+        g, t = _planned(op, spec, handle, allow_tf32, config)
         plan = None
         if autotune is not None:
             plan = _autotune(cudnn, g, t, autotune)
@@ -266,13 +294,8 @@ def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autotune: An
     except CudnnError:
         raise
     except Exception as e:
-        detail = ""
-        try:
-            detail = cudnn.get_last_error_string()
-        except Exception:
-            pass
-        raise CudnnError(f"cuDNN {op} for {spec}: no deterministic engine could be built "
-                         f"({type(e).__name__}: {e}{'; ' + detail if detail else ''})") from e
+        what = "no deterministic engine could be built" if config is None else f"the batch-invariant plan (engine {config[0]}) did not build at this batch size"
+        raise _failure(op, spec, e, what) from e
     return Graph(op, spec, g, t, workspace, threading.Lock(), name)
 
 
@@ -310,14 +333,16 @@ _CACHE_LOCK = threading.Lock()
 _KEY_LOCKS: dict = {}
 
 
-def graph(op: str, spec: LayerSpec, device: int, allow_tf32: bool, handle: Any, autotune: Any = None) -> Graph:
-    """The built graph for (op, the spec's convolution, device, allow_tf32, autotuned or
-    not), from the cache or built now. `autotune`, if given, times a plan (see `_autotune`).
-    Threads asking for the same key wait for one build; other keys build in parallel."""
+def _conv_key(spec: LayerSpec, batch: bool = True) -> tuple:
     # The convolutions do not depend on the activation or norm: key by what they read.
-    conv_key = (spec.input_shape, spec.out_channels, spec.kernel, spec.stride, spec.pads, spec.dilation, spec.groups,
-                spec.dtype, spec.bias)
-    key = (op, conv_key, device, bool(allow_tf32) and spec.dtype is DType.FLOAT32, autotune is not None)
+    shape = spec.input_shape if batch else spec.input_shape[1:]
+    return (shape, spec.out_channels, spec.kernel, spec.stride, spec.pads, spec.dilation, spec.groups, spec.dtype,
+            spec.bias)
+
+
+def _cached(key: tuple, make: Any) -> Any:
+    """`_CACHE[key]`, made by `make()` once: threads asking for the same key wait for one
+    build; other keys build in parallel."""
     with _CACHE_LOCK:
         found = _CACHE.get(key)
         if found is not None:
@@ -327,10 +352,167 @@ def graph(op: str, spec: LayerSpec, device: int, allow_tf32: bool, handle: Any, 
         with _CACHE_LOCK:
             found = _CACHE.get(key)
         if found is None:
-            found = _build(op, spec, handle, allow_tf32, autotune)
+            found = make()
             with _CACHE_LOCK:
                 _CACHE[key] = found
     return found
+
+
+def graph(op: str, spec: LayerSpec, device: int, allow_tf32: bool, handle: Any, autotune: Any = None,
+          probe: Any = None) -> Graph:
+    """The built graph for (op, the spec's convolution, device, allow_tf32, autotuned or
+    not), from the cache or built now. `autotune`, if given, times a plan (see `_autotune`).
+    With `spec.batch_invariant`, forward and backward-data run the plan `invariant_choice`
+    recorded for the convolution at any batch size (`probe`: an `InvarianceProbe`)."""
+    tf32 = bool(allow_tf32) and spec.dtype is DType.FLOAT32
+    if spec.batch_invariant and op != "backward_filter":
+        config = invariant_choice(op, spec, device, allow_tf32, handle, probe, autotune)
+        return _cached((op, _conv_key(spec), device, tf32, "invariant", config),
+                       lambda: _build(op, spec, handle, allow_tf32, config=config))
+    return _cached((op, _conv_key(spec), device, tf32, autotune is not None),
+                   lambda: _build(op, spec, handle, allow_tf32, autotune))
+
+
+# Batch invariance. cuDNN's heuristics rank engines and knobs per problem size, so one
+# convolution runs different plans (other reduction orders) at N = 1 and N = 256. A
+# batch-invariant layer runs one plan, (engine id, knobs), at every N: chosen once per
+# convolution shape (without N), device and TF32 choice, at a reference batch that
+# depends on the shape alone, so that every layer of that shape (an actor's copy and the
+# learner's) runs the same plan; rebuilt for each new N from the record. A candidate is
+# taken only if it gives, byte for byte, the rows it gave at the reference batch when run
+# at N = 1 (the first and the last sample) and N = 5 (samples from the middle): a fixed
+# engine and knobs usually fix the reduction order over C*KH*KW, but not every engine
+# (some choose their kernel by size; on the H200 about 8 of 40 float32 configurations
+# kept their bits, all bfloat16 ones did). backward-filter sums over the batch: it stays
+# deterministic, not invariant.
+INVARIANT_BATCH = 128
+INVARIANT_PROBE_BYTES = 1 << 28  # the reference batch halves (down to 8) until a batch's tensors fit this
+_CHOICES: dict = {}
+
+
+def invariant_batch(spec: LayerSpec) -> int:
+    """The reference batch at which a batch-invariant convolution's plan is chosen: 128,
+    halved while a batch of inputs or outputs would exceed INVARIANT_PROBE_BYTES."""
+    sample = max(math.prod(spec.input_shape[1:]), math.prod(spec.output_shape[1:])) * 4
+    n = INVARIANT_BATCH
+    while n > 8 and n * sample > INVARIANT_PROBE_BYTES:
+        n //= 2
+    return n
+
+
+def invariant_choice(op: str, spec: LayerSpec, device: int, allow_tf32: bool, handle: Any, probe: Any,
+                     autotune: Any = None) -> tuple:
+    """The (engine id, knobs) that `op` of a batch-invariant `spec` runs at every batch
+    size: the heuristics' first candidate at `invariant_batch(spec)` whose rows keep their
+    bits at N = 1 and 5 (or with `autotune` the fastest such); recorded per process.
+    Raises CudnnError naming the spec where no candidate does."""
+    tf32 = bool(allow_tf32) and spec.dtype is DType.FLOAT32
+    key = (op, _conv_key(spec, batch=False), device, tf32, autotune is not None)
+    return _cached(("choice", *key), lambda: _choose_invariant(op, spec, allow_tf32, handle, probe, autotune))
+
+
+def _choose_invariant(op: str, spec: LayerSpec, allow_tf32: bool, handle: Any, probe: Any, autotune: Any) -> tuple:
+    if probe is None:
+        raise ValueError("a batch-invariant plan is chosen with an InvarianceProbe")
+    cudnn = _import_cudnn()
+    n_ref = invariant_batch(spec)
+    ref = spec.at(n_ref)
+    checks = ((1, 0), (1, n_ref - 1), (5, n_ref // 2 - 2))  # (batch, first sample) runs compared to the reference
+    tried = []
+    try:
+        g, t = _planned(op, ref, handle, allow_tf32)
+        g.build_plans(cudnn.build_plan_policy.ALL)
+    except Exception as e:
+        raise _failure(op, ref, e) from e
+    passing = []
+    for i in range(g.get_execution_plan_count()):
+        try:
+            name = str(g.get_plan_name_at_index(i))
+            engine_id, knobs = g.get_engine_and_knobs_at_index(i)
+            config = (int(engine_id), frozenset(dict(knobs or {}).items()))  # hashable: a cache key
+            ws = int(g.get_workspace_size_plan_at_index(i))
+            if ws > AUTOTUNE_MAX_WORKSPACE:
+                continue
+            want = probe.rows(op, ref, t, ws, lambda pack, wsp, i=i: g.execute_plan_at_index(pack, wsp, i, handle=handle))
+        except Exception:  # a plan that did not build or run is not a candidate
+            continue
+        kept = True
+        for n, first in checks:
+            try:
+                r = _build(op, spec.at(n), handle, allow_tf32, config=config)
+                got = probe.rows(op, r.spec, r.tensors, r.workspace_size,
+                                 lambda pack, wsp, r=r: r.graph.execute_plan_at_index(pack, wsp, 0, handle=handle), first)
+            except Exception:
+                kept = False
+                break
+            if got != want[first:first + n]:
+                kept = False
+                break
+        tried.append(name)
+        if kept:
+            passing.append((i, config, ws))
+            if autotune is None:
+                break
+    if not passing:
+        raise CudnnError(f"batch_invariant: no deterministic cuDNN plan for {op} keeps a sample's bits at every "
+                         f"batch size for {spec} (tried {', '.join(tried) or 'none that ran'}); use "
+                         f"batch_invariant=False for this layer")
+    if autotune is None or len(passing) == 1:
+        return passing[0][1]
+    bench = autotune.at(ref)
+    timed = []
+    for i, config, ws in passing:
+        try:
+            timed.append((bench(t, ws, lambda pack, wsp, handle, i=i: g.execute_plan_at_index(pack, wsp, i, handle=handle)),
+                          i, config))
+        except Exception:
+            continue
+    if not timed:
+        return passing[0][1]
+    fastest = min(ms for ms, _, _ in timed)
+    return min((i, config) for ms, i, config in timed if ms <= fastest * 1.02)[1]
+
+
+class InvarianceProbe:
+    """What `invariant_choice` runs candidate plans on: random inputs at the reference
+    batch (device buffers, made on first use and kept for the layer's construction), on
+    the layer's stream."""
+
+    def __init__(self, cuda, stream_ptr: int) -> None:
+        self.cuda = cuda
+        self.stream = cuda.external_stream(stream_ptr) if stream_ptr else cuda.default_stream()
+        self._buffers: dict = {}
+
+    def _buffer(self, role: str, shape: tuple, dtype: DType):
+        n = math.prod(shape)
+        found = self._buffers.get((role, n, dtype))
+        if found is None:
+            v = np.random.default_rng(len(self._buffers)).standard_normal(n, dtype=np.float32)
+            found = self._buffers[(role, n, dtype)] = self.cuda.to_device(to_device_bits(v.astype(storage_dtype(dtype))),
+                                                                          stream=self.stream)
+        return found
+
+    def rows(self, op: str, spec: LayerSpec, tensors: dict, workspace: int, run: Any, first: int = 0) -> list[bytes]:
+        """The output's samples, as bytes each, of running `run(pack, workspace_ptr)` on
+        `spec`'s batch of inputs taken from sample `first` of the reference buffers."""
+        batched, out = ("dy", "dx") if op == "backward_data" else ("x", "y")
+        in_shape, out_shape = ((spec.output_shape, spec.input_shape) if op == "backward_data"
+                               else (spec.input_shape, spec.output_shape))
+        itemsize = np.dtype(storage_dtype(spec.dtype)).itemsize
+        src = self._buffer(batched, (invariant_batch(spec), *in_shape[1:]), spec.dtype)
+        ptrs = {batched: device_pointer(src) + first * math.prod(in_shape[1:]) * itemsize,
+                "w": device_pointer(self._buffer("w", spec.weight_shape, spec.dtype))}
+        if "b" in tensors:
+            ptrs["b"] = device_pointer(self._buffer("b", (spec.out_channels,), spec.dtype))
+        y = self.cuda.device_array(math.prod(out_shape) * itemsize, np.uint8, stream=self.stream)
+        ptrs[out] = device_pointer(y)
+        ws = self.cuda.device_array(max(workspace, 1), np.uint8, stream=self.stream)
+        run({t: ptrs[role] for role, t in tensors.items()}, device_pointer(ws))
+        self.stream.synchronize()
+        host = y.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        per = math.prod(out_shape[1:]) * itemsize
+        return [host[i * per:(i + 1) * per].tobytes() for i in range(out_shape[0])]
 
 
 class Convolutions:
@@ -356,7 +538,9 @@ class Convolutions:
         with _BUILD_LOCK:
             self.handle = handle
             bench = _Bench(cuda, spec, stream_ptr, self.handle) if autotune else None
-            self.graphs = {op: graph(op, spec, device, allow_tf32, self.handle, bench) for op in ops}
+            probe = InvarianceProbe(cuda, stream_ptr) if spec.batch_invariant else None
+            self.graphs = {op: graph(op, spec, device, allow_tf32, self.handle, bench, probe) for op in ops}
+            del probe  # its buffers go back before the workspace is allocated
             size = max(g.workspace_size for g in self.graphs.values())
             self._workspace = cuda.device_array(max(size, 1), np.uint8)
         self.plans = {op: g.plan for op, g in self.graphs.items()}
@@ -389,9 +573,13 @@ class _Bench:
     CUDA events on the layer's stream, the median of three rounds."""
 
     def __init__(self, cuda, spec: LayerSpec, stream_ptr: int, handle: Any) -> None:
-        self.cuda, self.spec, self.handle = cuda, spec, handle
+        self.cuda, self.spec, self.handle, self.stream_ptr = cuda, spec, handle, stream_ptr
         self.stream = cuda.external_stream(stream_ptr) if stream_ptr else cuda.default_stream()
         self._buffers: dict = {}
+
+    def at(self, spec: LayerSpec) -> "_Bench":
+        """The same timer for another spec (another batch size)."""
+        return _Bench(self.cuda, spec, self.stream_ptr, self.handle)
 
     def _buffer(self, role: str):
         s = self.spec

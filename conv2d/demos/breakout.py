@@ -46,7 +46,7 @@ JUDGED = 200
 def q_network(actions: int, batch_size: int, dtype: str, backend: str, batch_invariant: bool = False) -> Sequential:
     """The Q-network: observations (N, 10, 10, 4) -> Q-values (N, 1, 1, actions). With
     `batch_invariant` the actor's Q-values of a state at batch 1 are bitwise the learner's
-    for the same state in a batch (LayerSpec.batch_invariant; reference backend)."""
+    for the same state in a batch (LayerSpec.batch_invariant)."""
     common = dict(batch_size=batch_size, dtype=dtype, batch_invariant=batch_invariant)
     return Sequential.from_specs([
         LayerSpec(in_height=10, in_width=10, in_channels=4, out_channels=16, kernel=3, activation="relu", **common),
