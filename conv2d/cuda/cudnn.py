@@ -500,8 +500,12 @@ class InvarianceProbe:
                                else (spec.input_shape, spec.output_shape))
         itemsize = np.dtype(storage_dtype(spec.dtype)).itemsize
         src = self._buffer(batched, (invariant_batch(spec), *in_shape[1:]), spec.dtype)
-        ptrs = {batched: device_pointer(src) + first * math.prod(in_shape[1:]) * itemsize,
-                "w": device_pointer(self._buffer("w", spec.weight_shape, spec.dtype))}
+        if first:  # a copy of the samples, at an address as aligned as any batch's
+            k = math.prod(in_shape[1:])
+            part = self.cuda.device_array(in_shape[0] * k, src.dtype, stream=self.stream)
+            part.copy_to_device(src[first * k:(first + in_shape[0]) * k], stream=self.stream)
+            src = part
+        ptrs = {batched: device_pointer(src), "w": device_pointer(self._buffer("w", spec.weight_shape, spec.dtype))}
         if "b" in tensors:
             ptrs["b"] = device_pointer(self._buffer("b", (spec.out_channels,), spec.dtype))
         y = self.cuda.device_array(math.prod(out_shape) * itemsize, np.uint8, stream=self.stream)
