@@ -771,7 +771,7 @@ def test_caller_owned_torch_parameters_are_read_in_place_and_gradients_come_back
     np.testing.assert_array_equal(to_host(d_x), to_host(layer.backward_full(x, dy)))
     for k, g in layer.grad_dict().items():
         np.testing.assert_array_equal(to_host(grads[k]), g, err_msg=k)
-    for k in RUNNING:
+    for k in running:
         np.testing.assert_array_equal(to_host(running[k]), layer.state_dict()[k], err_msg=k)
 
 

@@ -63,10 +63,17 @@ class Launch:
         self.stream = stream
         self.names = names
         self._index = {n: i for i, n in enumerate(names)}
-        self.args = [as_numba(_flat(args[n])) for n in names]
+        given = [_flat(args[n]) for n in names]
+        self.args = [as_numba(a) for a in given]
         self._raw = None
         if fast and not simulating():
             self._prepare()
+            if self._raw is not None:
+                # Prepared, the launch needs addresses alone: keep the caller's ForeignArrays,
+                # whose tensors release() lets go of, not numba's views of them (made for
+                # numba to type and pack the arguments), which would hold the tensors of the
+                # first call until the next one.
+                self.args = given
 
     def _prepare(self) -> None:
         from cuda.bindings import driver
