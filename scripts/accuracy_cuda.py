@@ -12,7 +12,9 @@ Stages, each isolated so that both sides start from the same inputs:
   beta's gradients) and the bias gradient (the sum of d_z).
 `--network`: the CIFAR conv-BN-ReLU network (8 layers, N=128) and the Nature-DQN (N=32) of
 scripts/bench_networks.py, the module swapped in: the first backward's gradient of every
-parameter, ours and PyTorch's in float32 and in bfloat16 against PyTorch's float64.
+parameter, ours and PyTorch's in float32 and in bfloat16 against PyTorch's float64, plain
+and with each side's own ReLU decisions ("decided": see network_errors; the rounding
+error without the flips of ReLUs whose input is within rounding of 0).
 
 Ours is the CUDA backend on a GPU (TF32 off on both sides, PyTorch's cuDNN deterministic)
 and the reference backend with `--device cpu`. Prints a table (ratio: ours / PyTorch's
@@ -124,40 +126,184 @@ def norm_stages(name: str, device: str, rng) -> list[tuple[str, float, float]]:
 NETWORK_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def network_errors(name: str, dtype: str, device: str) -> dict[str, tuple[float, float]]:
+class DecidedReLU(torch.nn.Module):
+    """ReLU with its decisions given: x * mask, so that the gradient passes where `mask`
+    (another network's x > 0) says, whatever this network's own x."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.mask
+
+
+def _first_backward(model, x, target, dt, relus=()) -> tuple[dict, dict]:
+    """(gradient of each parameter, float64 on the host; x > 0 after each ReLU named in
+    `relus`) of one forward and backward of `model` at dtype `dt`, MSE loss."""
+    model.train()
+    masks, hooks = {}, []
+    modules = dict(model.named_modules())
+    for name in relus:
+        hooks.append(modules[name].register_forward_hook(
+            lambda mod, inp, out, name=name: masks.__setitem__(name, (out.detach() > 0).to(torch.float64))))
+    try:
+        F.mse_loss(model(x.to(dt).contiguous(memory_format=torch.channels_last)).double(), target).backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    grads = {k: v.grad.double().cpu().numpy() for k, v in model.state_dict(keep_vars=True).items()
+             if isinstance(v, torch.nn.Parameter)}
+    return grads, masks
+
+
+def network_errors(name: str, dtype: str, device: str, same_decisions: bool = False) -> dict[str, tuple[float, float]]:
     """parameter -> (ours, PyTorch's) error of its gradient in the first backward of the
     network `name` of scripts/bench_networks.py (its training batch, MSE loss against a
-    random target), at `dtype` on both sides, against the same network in float64."""
+    random target), at `dtype` on both sides, against the same network in float64.
+
+    A ReLU whose input is within rounding of 0 decides differently in float32 and in
+    float64, and each such flip moves a gradient by one whole term: in a deep network the
+    max-norm error is then a count of flips (a matter of luck, measured: 0 to 11 flips per
+    block of the CIFAR network, on either side) more than of rounding. With
+    `same_decisions` each side is compared with float64 taking that side's own ReLU
+    decisions (`DecidedReLU`): the error of the arithmetic alone."""
     from bench_networks import NETWORKS, network
 
     from conv2d.torch import swap
 
     (c, h, w), batch, outputs = NETWORKS[name]
     exact_net = network(name).double().to(device)
-    theirs = copy.deepcopy(exact_net).to(NETWORK_DTYPES[dtype])
-    mine = swap(copy.deepcopy(exact_net)).to(NETWORK_DTYPES[dtype])
+    relus = [n for n, m in exact_net.named_modules() if isinstance(m, torch.nn.ReLU)]
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, c, h, w, generator=g, dtype=torch.float64).to(device)
     target = torch.randn(batch, outputs, generator=g, dtype=torch.float64).to(device)
-    grads = []
-    for model, dt in ((exact_net, torch.float64), (theirs, NETWORK_DTYPES[dtype]), (mine, NETWORK_DTYPES[dtype])):
-        model.train()
-        xm = x.to(dt).contiguous(memory_format=torch.channels_last)
-        F.mse_loss(model(xm).double(), target).backward()
-        grads.append({k: v.grad.double().cpu().numpy() for k, v in model.state_dict(keep_vars=True).items()
-                      if isinstance(v, torch.nn.Parameter)})
-    exact, torch_grads, our_grads = grads
-    return {k: (error(our_grads[k], e), error(torch_grads[k], e)) for k, e in exact.items()}
+    exact, _ = _first_backward(copy.deepcopy(exact_net), x, target, torch.float64)
+    errors = []
+    for model in (swap(copy.deepcopy(exact_net)), copy.deepcopy(exact_net)):  # ours, PyTorch's
+        got, masks = _first_backward(model.to(NETWORK_DTYPES[dtype]), x, target, NETWORK_DTYPES[dtype], relus)
+        want = exact
+        if same_decisions:
+            decided = copy.deepcopy(exact_net)
+            for relu in relus:
+                parent, _, child = relu.rpartition(".")
+                setattr(decided.get_submodule(parent) if parent else decided, child, DecidedReLU(masks[relu]))
+            want, _ = _first_backward(decided, x, target, torch.float64)
+        errors.append({k: error(got[k], e) for k, e in want.items()})
+    return {k: (errors[0][k], errors[1][k]) for k in exact}
 
 
 def network_rows(device: str, networks: str) -> list[tuple[str, float, float]]:
-    """Each network's first backward, float32 and bfloat16: each parameter's gradient error."""
+    """Each network's first backward, float32 and bfloat16: each parameter's gradient
+    error against float64 with each side's own ReLU decisions ("decided"), and against
+    plain float64 ("plain")."""
     rows = []
     for name in networks.split(","):
         for dtype in NETWORK_DTYPES:
             if dtype == "bfloat16" and device == "cpu":
                 continue  # the reference's bfloat16 is not what users run on the CPU; slow too
-            rows += [(f"{name} {dtype} {k}", o, t) for k, (o, t) in network_errors(name, dtype, device).items()]
+            for same, label in ((True, "decided"), (False, "plain")):
+                rows += [(f"{name} {dtype} {label} {k}", o, t)
+                         for k, (o, t) in network_errors(name, dtype, device, same).items()]
+    return rows
+
+
+def network_convolutions(name: str) -> list[tuple[str, LayerSpec]]:
+    """(the parameter name of its weight, its spec in float32, no bias) of each
+    convolution of the network `name` of scripts/bench_networks.py at its training batch."""
+    from bench_networks import NETWORKS, network
+
+    (c, h, w), batch, _ = NETWORKS[name]
+    net, shapes = network(name), {}
+    hooks = [m.register_forward_hook(lambda m, inp, out, k=k: shapes.__setitem__(k, tuple(inp[0].shape)))
+             for k, m in net.named_modules() if isinstance(m, torch.nn.Conv2d)]
+    with torch.no_grad():
+        net(torch.zeros(batch, c, h, w))
+    for hk in hooks:
+        hk.remove()
+    convs = []
+    for k, (n, ci, hi, wi) in shapes.items():
+        m = net.get_submodule(k)
+        convs.append((f"{k}.weight", LayerSpec(batch_size=n, in_height=hi, in_width=wi, in_channels=ci,
+                                               out_channels=m.out_channels, kernel=m.kernel_size, stride=m.stride,
+                                               padding=m.padding, bias=False, activation="identity", dtype="float32")))
+    return convs
+
+
+def engine_rows(networks: str) -> list[str]:
+    """For each convolution of the networks and each of its three operations, in float32
+    without TF32: the error (against float64) and GPU time of the cuDNN plan our heuristic
+    (mode B) chooses, of mode A's first plan (PyTorch's choice: its error is PyTorch's), and
+    of the most accurate deterministic plan of either list, beside PyTorch's own error."""
+    from conv2d.cuda import cudnn as C
+    from conv2d.spec import DType
+
+    cud = C._import_cudnn()
+    handle = cud.create_handle()
+    cud.set_stream(handle, torch.cuda.current_stream().cuda_stream)
+    rows = []
+    for net in networks.split(","):
+        for label, spec in network_convolutions(net):
+            n, h, w, c = spec.input_shape
+            _, oh, ow, oc = spec.output_shape
+            kh, kw = spec.kernel
+            g = torch.Generator(device="cuda").manual_seed(0)
+            x = torch.randn(n, h, w, c, device="cuda", generator=g)
+            wt = torch.randn(oc, kh, kw, c, device="cuda", generator=g) / (kh * kw * c) ** 0.5
+            dy = torch.randn(n, oh, ow, oc, device="cuda", generator=g)
+            results = {}
+            for dt in (torch.float64, torch.float32):
+                xs, ws = (t.to(dt).permute(0, 3, 1, 2).requires_grad_(True) for t in (x, wt))
+                y = F.conv2d(xs, ws, None, spec.stride, spec.padding)
+                y.backward(dy.to(dt).permute(0, 3, 1, 2))
+                results[dt] = {"forward": y.detach().permute(0, 2, 3, 1), "backward_data": xs.grad.permute(0, 2, 3, 1),
+                               "backward_filter": ws.grad.permute(0, 2, 3, 1)}
+            for op in ("forward", "backward_data", "backward_filter"):
+                exact = results[torch.float64][op]
+                theirs = error(results[torch.float32][op].cpu(), exact.cpu())
+                out = torch.empty(exact.shape, dtype=torch.float32, device="cuda")
+                bufs = {"x": x, "w": wt, "dy": dy, "y": out, "dx": out, "dw": out}
+                plans = {}  # name -> (error, ms)
+                chosen = {}
+                for mode in (("B", "FALLBACK"), ("A", "FALLBACK")):
+                    saved = C.HEUR_MODES[DType.FLOAT32]
+                    C.HEUR_MODES[DType.FLOAT32] = mode
+                    try:
+                        built = C._build(op, spec, handle, False)
+                    finally:
+                        C.HEUR_MODES[DType.FLOAT32] = saved
+                    chosen[mode[0]] = built.plan
+                    gr = built.graph
+                    gr.build_plans(cud.build_plan_policy.ALL)
+                    pack = {t: bufs[r].data_ptr() for r, t in built.tensors.items()}
+                    for i in range(gr.get_execution_plan_count()):
+                        try:
+                            name = str(gr.get_plan_name_at_index(i))
+                            if name in plans:
+                                continue
+                            ws = torch.empty(max(int(gr.get_workspace_size_plan_at_index(i)), 1), dtype=torch.uint8,
+                                             device="cuda")
+                            run = lambda: gr.execute_plan_at_index(pack, ws.data_ptr(), i, handle=handle)  # noqa: E731
+                            run()
+                            torch.cuda.synchronize()
+                            err = error(out.cpu(), exact.cpu())
+                            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            start.record()
+                            for _ in range(10):
+                                run()
+                            end.record()
+                            end.synchronize()
+                            plans[name] = (err, start.elapsed_time(end) / 10)
+                        except Exception:  # a plan that does not build or run
+                            continue
+                best = min(plans, key=lambda k: (plans[k][0], plans[k][1]))
+
+                def cell(name):
+                    e, ms = plans.get(name, (float("nan"), float("nan")))
+                    return f"{name} | {e:.2e} | {ms:.3f}"
+                rows.append(f"| {net} {label} | {op} | {cell(chosen['B'])} | {cell(chosen['A'])} | {cell(best)} "
+                            f"| {theirs:.2e} | {plans.get(chosen['B'], (float('nan'),))[0] / theirs:.2f} |")
+                print(rows[-1], flush=True)
     return rows
 
 
@@ -166,7 +312,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     ap.add_argument("--shapes", default="rl_dqn_l1,rl_small,resnet_56,resnet_28")
     ap.add_argument("--network", action="store_true", help="also the deep networks' parameter gradients")
-    ap.add_argument("--networks", default="cifar_resnet,nature_dqn", help="the networks of --network")
+    ap.add_argument("--networks", default="cifar_resnet,nature_dqn", help="the networks of --network and --engines")
+    ap.add_argument("--engines", action="store_true",
+                    help="also each network convolution's cuDNN plans: ours, PyTorch's, the most accurate (GPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.device == "cuda":
@@ -187,6 +335,12 @@ def main() -> None:
         emit(name, norm_stages(name, args.device, rng))
     if args.network:
         emit("network", network_rows(args.device, args.networks))
+    if args.engines and args.device == "cuda":
+        head = ["", "| convolution | operation | ours (mode B) | error | GPU ms | mode A (PyTorch's) | error | GPU ms "
+                "| most accurate | error | GPU ms | PyTorch's error | ours / PyTorch |",
+                "| --- | --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+        print("\n".join(head), flush=True)
+        lines += head + engine_rows(args.networks)
     if args.out:
         path = Path(args.out) / "accuracy_cuda.md"
         path.write_text("\n".join(["# conv2d: float32 accuracy by stage, ours beside PyTorch's", "",

@@ -64,3 +64,28 @@ def test_the_accuracy_script_runs_on_the_cpu_stage_by_stage():
     for stage in ("conv forward", "conv backward-data", "conv backward-filter", "batch norm forward (y)",
                   "batch norm backward (d_z)", "gamma gradient", "beta gradient", "bias gradient (sum of d_z)"):
         assert f"| tiny_latency | {stage} |" in out
+
+
+def test_with_its_own_relu_decisions_float32_is_rounding_away_from_float64():
+    """accuracy_cuda.network_errors(same_decisions=True): each side against float64 that
+    takes that side's ReLU decisions, so that the error is the arithmetic's alone (plain
+    float64 flips ReLUs whose input is within rounding of 0: whole terms of a gradient)."""
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from accuracy_cuda import network_errors
+
+    errors = network_errors("nature_dqn", "float32", "cpu", same_decisions=True)
+    assert set(errors) == {"0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias", "7.weight", "7.bias",
+                           "9.weight", "9.bias"}
+    assert all(ours < 1e-5 and theirs < 1e-5 for ours, theirs in errors.values()), errors
+
+
+def test_a_decided_relu_passes_the_gradient_where_its_mask_says_not_where_x_is_positive():
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from accuracy_cuda import DecidedReLU
+
+    x = torch.tensor([-1e-9, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    y = DecidedReLU(torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64))(x)
+    y.sum().backward()
+    assert y.tolist() == [-1e-9, 0.0, 3.0] and x.grad.tolist() == [1.0, 0.0, 1.0]
