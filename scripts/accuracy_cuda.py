@@ -193,6 +193,27 @@ def network_errors(name: str, dtype: str, device: str, same_decisions: bool = Fa
     return {k: (errors[0][k], errors[1][k]) for k in exact}
 
 
+def relu_flips(name: str, dtype: str, device: str) -> dict[str, tuple[int, int]]:
+    """ReLU -> (ours, PyTorch's) count of values whose decision (x > 0) differs from
+    float64's, in the first forward of network_errors' network and batch."""
+    from bench_networks import NETWORKS, network
+
+    from conv2d.torch import swap
+
+    (c, h, w), batch, outputs = NETWORKS[name]
+    exact_net = network(name).double().to(device)
+    relus = [n for n, m in exact_net.named_modules() if isinstance(m, torch.nn.ReLU)]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, c, h, w, generator=g, dtype=torch.float64).to(device)
+    target = torch.randn(batch, outputs, generator=g, dtype=torch.float64).to(device)
+    _, exact = _first_backward(copy.deepcopy(exact_net), x, target, torch.float64, relus)
+    counts = []
+    for model in (swap(copy.deepcopy(exact_net)), copy.deepcopy(exact_net)):
+        _, masks = _first_backward(model.to(NETWORK_DTYPES[dtype]), x, target, NETWORK_DTYPES[dtype], relus)
+        counts.append({r: int((masks[r] != exact[r]).sum()) for r in relus})
+    return {r: (counts[0][r], counts[1][r]) for r in relus}
+
+
 def network_rows(device: str, networks: str) -> list[tuple[str, float, float]]:
     """Each network's first backward, float32 and bfloat16: each parameter's gradient
     error against float64 with each side's own ReLU decisions ("decided"), and against
@@ -205,6 +226,9 @@ def network_rows(device: str, networks: str) -> list[tuple[str, float, float]]:
             for same, label in ((True, "decided"), (False, "plain")):
                 rows += [(f"{name} {dtype} {label} {k}", o, t)
                          for k, (o, t) in network_errors(name, dtype, device, same).items()]
+            flips = relu_flips(name, dtype, device)
+            print(f"{name} {dtype}: ReLU decisions unlike float64's, ours / PyTorch's: "
+                  + ", ".join(f"{r}: {o}/{t}" for r, (o, t) in flips.items()), flush=True)
     return rows
 
 
