@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import GOLDEN_DIR, HAVE_GPU, make_layer, random_inputs
+from conftest import GOLDEN_DIR, HAVE_GPU, make_layer, random_inputs, small_layer_spec
 from conv2d import LayerSpec
 
 pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (the test extra brings it)")
@@ -492,3 +492,59 @@ def test_the_numba_depthwise_convolutions_refuse_a_layer_that_is_not_depthwise()
         Conv2d(spec, "cuda", depthwise_kernel="numba")
     with pytest.raises(ValueError, match="^depthwise_kernel: expected 'cudnn' or 'numba', got 'fast'"):
         Conv2d(spec, "cuda", depthwise_kernel="fast", convolutions=HostConvolutions)
+
+
+ORACLE_CASES = {"plain": dict(), "stride2_dilated": dict(stride=2, dilation=2, padding=2),
+                "groups2_asymmetric": dict(in_channels=4, out_channels=6, groups=2, padding=((1, 0), (2, 1))),
+                "depthwise_k2x3": dict(out_channels=8, groups=4, kernel=(2, 3), padding=0)}
+
+
+@pytest.mark.parametrize("case", list(ORACLE_CASES))
+def test_the_float64_oracle_computes_the_references_three_convolutions(case):
+    """kernels/oracle.py (what cudnn.AccuracyProbe measures cuDNN's float32 plans
+    against): forward and backward-data on the first samples, backward-filter over all,
+    as the reference's float64 convolutions."""
+    from conv2d.cuda.kernels import oracle
+    from conv2d.cuda.kernels.layout import window_geometry
+    from conv2d.reference import conv
+
+    spec = LayerSpec(**{**dict(batch_size=3, in_height=7, in_width=6, in_channels=4, out_channels=5, kernel=3,
+                               padding=1), **ORACLE_CASES[case]})
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(spec.input_shape).astype(np.float32)
+    w = rng.standard_normal(spec.weight_shape).astype(np.float32)
+    dy = rng.standard_normal(spec.output_shape).astype(np.float32)
+    args = dict(stride=spec.stride, padding=spec.pads, dilation=spec.dilation, groups=spec.groups)
+    want = {"forward": conv.conv_forward(x.astype(np.float64), w.astype(np.float64), **args)[:2],
+            "backward_data": conv.conv_backward_data(w.astype(np.float64), dy.astype(np.float64),
+                                                     (spec.in_height, spec.in_width), **args)[:2],
+            "backward_filter": conv.conv_backward_filter(x.astype(np.float64), dy.astype(np.float64), spec.kernel,
+                                                         **args)}
+    inputs = {"forward": (x, w), "backward_data": (dy, w), "backward_filter": (x, dy)}
+    g = window_geometry(spec)
+    sizes = (g["H"], g["W"], g["C"], g["OH"], g["OW"], g["OC"], g["KH"], g["KW"], g["SH"], g["SW"], g["PH"], g["PW"],
+             g["DH"], g["DW"], spec.in_channels // spec.groups, spec.out_channels // spec.groups)
+    for op, exact in want.items():
+        out = cuda.device_array(exact.size, np.float64)
+        getattr(oracle, op)[4, 64](*(cuda.to_device(a.ravel()) for a in inputs[op]), out, spec.batch_size, *sizes)
+        np.testing.assert_allclose(out.copy_to_host().reshape(exact.shape), exact, rtol=1e-12, atol=1e-12,
+                                   err_msg=op)
+
+
+@pytest.mark.parametrize("errors, kept", [((2e-7, 1e-6), "mode B's"), ((1e-6, 2e-7), "mode A's"),
+                                          ((3e-7, 3e-7), "mode B's"), ((None, 2e-7), "mode B's")])
+def test_strict_float32_keeps_the_more_accurate_of_the_two_heuristic_plans(monkeypatch, errors, kept):
+    """cudnn._build_accurate: mode B's first plan (the faster heuristic) unless mode A's
+    first (PyTorch's choice) is measured more accurate; B on a tie, or where the oracle
+    would cost too much (None)."""
+    from conv2d.cuda import cudnn
+
+    def build(op, spec, handle, allow_tf32, autotune=None, config=None, modes=None):
+        return cudnn.Graph(op, spec, None, {}, 0, None, "mode A's" if modes == cudnn.ACCURACY_MODES else "mode B's")
+
+    class Probe:
+        def error(self, op, g, handle):
+            return errors[0] if g.plan == "mode B's" else errors[1]
+
+    monkeypatch.setattr(cudnn, "_build", build)
+    assert cudnn._build_accurate("forward", small_layer_spec(), None, Probe()).plan == kept
