@@ -342,6 +342,34 @@ def acting_pytorch(spec, x_host, iters: int) -> dict:
     return out
 
 
+def keeps_rows(run, x_host) -> bool:
+    """Whether `run(x)` (an (N, ...) host array in, host rows out) gives rows 0, N // 2
+    and N - 1 of x_host, byte for byte, as it gives each sample computed alone."""
+    n = x_host.shape[0]
+    batched = run(x_host)
+    return all(batched[i].tobytes() == run(x_host[i:i + 1])[0].tobytes() for i in sorted({0, n // 2, n - 1}))
+
+
+def invariance_ours(spec, x_host) -> bool:
+    """keeps_rows for our layer's evaluate (weights as acting_ours's)."""
+    from conv2d.arrays import to_host
+
+    layer, _ = our_layer(spec)
+    return keeps_rows(lambda a: to_host(layer.evaluate(np.ascontiguousarray(a))), x_host)
+
+
+def invariance_pytorch(spec, x_host) -> bool:
+    """keeps_rows for PyTorch's Sequential in eval under no_grad."""
+    import torch
+
+    model = torch_sequential(spec).eval()
+
+    def run(a):
+        with torch.no_grad():
+            return model(torch_nchw(np.ascontiguousarray(a), spec)).permute(0, 2, 3, 1).float().cpu().numpy()
+    return keeps_rows(run, x_host)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -527,22 +555,29 @@ def main() -> None:
             print(line, flush=True)
     if not args.no_invariance:
         head = ["", "## Batch invariance: ours with batch_invariant=True (one cuDNN plan at every batch size) beside "
-                "the default (cuDNN's heuristic plan per batch size); captured training step at the planned "
-                "batch, GPU ms; acting at N = 1 (evaluate and a synchronisation), wall ms", "",
-                "| shape | norm | dtype | default graph GPU | invariant graph GPU | ratio | default acting eager "
+                "the default (cuDNN's heuristic plan per batch size); whether evaluate at the planned batch gives "
+                "rows 0, N/2 and N - 1 bitwise as each sample alone (PyTorch: its eval Sequential); captured training "
+                "step at the planned batch, GPU ms; acting at N = 1 (evaluate and a synchronisation), wall ms", "",
+                "| shape | norm | dtype | invariant: PyTorch | ours default | ours batch_invariant "
+                "| default graph GPU | invariant graph GPU | ratio | default acting eager "
                 "| invariant acting eager | ratio | default acting graph | invariant acting graph | ratio |",
-                "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         lines += head
         print("\n".join(head), flush=True)
         for name, bn, spec, x, dy in cases(args.shapes, args.dtypes):
             inv = dataclasses.replace(spec, batch_invariant=True)
             one = bench_spec(name, bn, spec.dtype.value, batch_size=1)
             d_step, i_step = (ours(s, x, dy, args.iters, eager=False) for s in (spec, inv))
-            d_act, i_act = (acting_ours(s, x, args.iters) for s in (one, dataclasses.replace(one, batch_invariant=True)))
-            line = (f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} | {d_step['graph'][0]:.3f} "
+            one_inv = dataclasses.replace(one, batch_invariant=True)
+            d_act, i_act = (acting_ours(s, x, args.iters) for s in (one, one_inv))
+            yes = {True: "yes", False: "no"}
+            kept = (yes[invariance_pytorch(spec, x)], yes[invariance_ours(spec, x)], yes[invariance_ours(inv, x)])
+            line = (f"| {name} | {'bn' if bn else '-'} | {spec.dtype.value} | {' | '.join(kept)} "
+                    f"| {d_step['graph'][0]:.3f} "
                     f"| {i_step['graph'][0]:.3f} | {i_step['graph'][0] / d_step['graph'][0]:.2f} "
-                    f"| {d_act['eager'][1]:.4f} | {i_act['eager'][1]:.4f} | {i_act['eager'][1] / d_act['eager'][1]:.2f} "
-                    f"| {d_act['graph'][1]:.4f} | {i_act['graph'][1]:.4f} | {i_act['graph'][1] / d_act['graph'][1]:.2f} |")
+                    f"| {d_act['eager'][1]:.4f} | {i_act['eager'][1]:.4f} "
+                    f"| {i_act['eager'][1] / d_act['eager'][1]:.2f} | {d_act['graph'][1]:.4f} "
+                    f"| {i_act['graph'][1]:.4f} | {i_act['graph'][1] / d_act['graph'][1]:.2f} |")
             lines.append(line)
             print(line, flush=True)
     sweep = []

@@ -5,6 +5,10 @@ norm or with layer norm, and the input gradient of those. Both backends: the ref
 (CI), the CUDA backend on a GPU (cuDNN's plans), and the CUDA backend's own kernels in
 numba's simulator with the host stand-in for cuDNN (CI)."""
 
+import dataclasses
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -108,6 +112,29 @@ def test_the_cuda_kernels_keep_each_samples_bits_in_the_simulator(norm, training
         out = layer.forward(np.ascontiguousarray(x[:n]), training=training)
         assert_rows_as_alone(out, lambda i: layer.forward(x[i:i + 1], training=training), n, "forward")
         assert_rows_as_alone(d_x(0, n), lambda i: d_x(i, i + 1), n, "d_x")
+
+
+@GPU
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", ["tiny_latency", "rl_dqn_l1", "rl_small", "resnet_28", "resnet_56"])
+def test_the_bench_shapes_give_each_sample_the_bits_it_gets_alone_on_the_gpu(shape, dtype):
+    """scripts/bench_shapes.py's layers at their planned batch (tiny_latency's 1: at 33):
+    evaluate with batch norm, and the training forward and d_x without a norm."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from bench_shapes import bench_spec
+
+    for bn in (True, False):
+        spec = bench_spec(shape, bn, dtype)
+        spec = dataclasses.replace(spec, batch_size=max(spec.batch_size, 33), batch_invariant=True)
+        layer = make_layer(spec, seed=5, backend="cuda")
+        x, d_y = random_inputs(spec, seed=3)
+        n = spec.batch_size
+        if bn:
+            assert_rows_as_alone(layer.evaluate(x), lambda i: layer.evaluate(x[i:i + 1]), n, f"{shape} evaluate")
+            continue
+        assert_rows_as_alone(layer.forward(x), lambda i: layer.forward(x[i:i + 1]), n, f"{shape} forward")
+        d_x = input_gradients(layer, x, d_y, True)
+        assert_rows_as_alone(d_x(0, n), lambda i: d_x(i, i + 1), n, f"{shape} d_x")
 
 
 @GPU

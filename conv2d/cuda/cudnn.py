@@ -265,7 +265,8 @@ def _planned(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, config: An
     return g, t
 
 
-def _failure(op: str, spec: LayerSpec, e: Exception, what: str = "no deterministic engine could be built") -> CudnnError:
+def _failure(op: str, spec: LayerSpec, e: Exception,
+             what: str = "no deterministic engine could be built") -> CudnnError:
     detail = ""
     try:
         detail = _import_cudnn().get_last_error_string()
@@ -296,7 +297,8 @@ def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autotune: An
     except CudnnError:
         raise
     except Exception as e:
-        what = "no deterministic engine could be built" if config is None else f"the batch-invariant plan (engine {config[0]}) did not build at this batch size"
+        what = ("no deterministic engine could be built" if config is None
+                else f"the batch-invariant plan (engine {config[0]}) did not build at this batch size")
         raise _failure(op, spec, e, what) from e
     return Graph(op, spec, g, t, workspace, threading.Lock(), name)
 
@@ -447,7 +449,8 @@ class AccuracyProbe:
                 return None
             out_size, kernel, args = math.prod(s.weight_shape), oracle.backward_filter, (x, dy)
         elif op == "backward_data":
-            out_size, kernel, args = min(n, ACCURACY_SAMPLES) * math.prod(s.input_shape[1:]), oracle.backward_data, (dy, w)
+            out_size = min(n, ACCURACY_SAMPLES) * math.prod(s.input_shape[1:])
+            kernel, args = oracle.backward_data, (dy, w)
         else:
             out_size, kernel, args = min(n, ACCURACY_SAMPLES) * math.prod(s.output_shape[1:]), oracle.forward, (x, w)
         full = {"backward_filter": s.weight_shape, "backward_data": s.input_shape}.get(op, s.output_shape)
@@ -534,7 +537,8 @@ def _choose_invariant(op: str, spec: LayerSpec, allow_tf32: bool, handle: Any, p
             ws = int(g.get_workspace_size_plan_at_index(i))
             if ws > AUTOTUNE_MAX_WORKSPACE:
                 continue
-            want = probe.rows(op, ref, t, ws, lambda pack, wsp, i=i: g.execute_plan_at_index(pack, wsp, i, handle=handle))
+            want = probe.rows(op, ref, t, ws,
+                              lambda pack, wsp, i=i: g.execute_plan_at_index(pack, wsp, i, handle=handle))
         except Exception:  # a plan that did not build or run is not a candidate
             continue
         kept = True
@@ -542,7 +546,8 @@ def _choose_invariant(op: str, spec: LayerSpec, allow_tf32: bool, handle: Any, p
             try:
                 r = _build(op, spec.at(n), handle, allow_tf32, config=config)
                 got = probe.rows(op, r.spec, r.tensors, r.workspace_size,
-                                 lambda pack, wsp, r=r: r.graph.execute_plan_at_index(pack, wsp, 0, handle=handle), first)
+                                 lambda pack, wsp, r=r: r.graph.execute_plan_at_index(pack, wsp, 0, handle=handle),
+                                 first)
             except Exception:
                 kept = False
                 break
@@ -564,8 +569,8 @@ def _choose_invariant(op: str, spec: LayerSpec, allow_tf32: bool, handle: Any, p
     timed = []
     for i, config, ws in passing:
         try:
-            timed.append((bench(t, ws, lambda pack, wsp, handle, i=i: g.execute_plan_at_index(pack, wsp, i, handle=handle)),
-                          i, config))
+            run = lambda pack, wsp, handle, i=i: g.execute_plan_at_index(pack, wsp, i, handle=handle)  # noqa: E731
+            timed.append((bench(t, ws, run), i, config))
         except Exception:
             continue
     if not timed:
@@ -589,8 +594,8 @@ class InvarianceProbe:
         found = self._buffers.get((role, n, dtype))
         if found is None:
             v = np.random.default_rng(len(self._buffers)).standard_normal(n, dtype=np.float32)
-            found = self._buffers[(role, n, dtype)] = self.cuda.to_device(to_device_bits(v.astype(storage_dtype(dtype))),
-                                                                          stream=self.stream)
+            bits = to_device_bits(v.astype(storage_dtype(dtype)))
+            found = self._buffers[(role, n, dtype)] = self.cuda.to_device(bits, stream=self.stream)
         return found
 
     def rows(self, op: str, spec: LayerSpec, tensors: dict, workspace: int, run: Any, first: int = 0) -> list[bytes]:
