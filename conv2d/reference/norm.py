@@ -14,19 +14,58 @@ BATCH_AXES = (0, 1, 2)
 LAYER_AXES = (1, 2, 3)
 
 
-def wide_mean(a: np.ndarray, axis, keepdims: bool = False) -> np.ndarray:
-    """a's mean over `axis`, summed in float64 (at least) and returned in a's dtype. NumPy
-    reduces axes other than the last by adding one slice after another, so a float32 sum
-    over N·OH·OW rows gathers an error that grows with the count (batch norm in float32
-    measured 2.4-2.9x PyTorch's error, scripts/accuracy_cuda.py); float64 partials keep it
-    at one float32 rounding. For float64 arrays it is NumPy's own mean."""
-    return a.mean(axis=axis, dtype=np.promote_types(a.dtype, np.float64), keepdims=keepdims).astype(a.dtype,
-                                                                                                   copy=False)
+# Values a block of a wide sum: converted to float64 a block at a time, each block's sums
+# one BLAS matrix-vector product. NumPy's own float64 reduction over the rows of an (M, C)
+# float32 array adds one row of C values at a time, and was 1.3-3x slower on the layers of
+# the README's digits CNN and the bench shapes (2 cores, a one-off timing).
+WIDE_BLOCK = 1 << 15
 
 
-def wide_sum(a: np.ndarray, axis) -> np.ndarray:
-    """a's sum over `axis`, as `wide_mean`."""
-    return a.sum(axis=axis, dtype=np.promote_types(a.dtype, np.float64)).astype(a.dtype, copy=False)
+def wide_row_sums(a: np.ndarray) -> np.ndarray:
+    """The sums of an (M, C) array's rows, (C,), in float64 (at least): blocks of rows in
+    order, each block's sum a product with a vector of ones."""
+    m, c = a.shape
+    dt = np.promote_types(a.dtype, np.float64)
+    rows = max(1, WIDE_BLOCK // max(c, 1))
+    ones = np.ones(min(rows, m), dt)
+    total = np.zeros(c, dt)
+    for i in range(0, m, rows):
+        part = a[i:i + rows]
+        total += ones[:part.shape[0]] @ part.astype(dt, copy=False)
+    return total
+
+
+def wide_column_sums(a: np.ndarray) -> np.ndarray:
+    """The sums of an (N, S) array's columns, (N,), in float64 (at least), as
+    `wide_row_sums` over blocks of columns."""
+    n, s = a.shape
+    dt = np.promote_types(a.dtype, np.float64)
+    cols = max(1, WIDE_BLOCK // max(n, 1))
+    ones = np.ones(min(cols, s), dt)
+    total = np.zeros(n, dt)
+    for j in range(0, s, cols):
+        part = a[:, j:j + cols]
+        total += part.astype(dt) @ ones[:part.shape[1]]
+    return total
+
+
+def wide_mean(a: np.ndarray, axes: tuple[int, ...], keepdims: bool = False) -> np.ndarray:
+    """a's mean over `axes` (BATCH_AXES or LAYER_AXES of an (N, OH, OW, OC) array),
+    summed in float64 (at least) and returned in a's dtype. A float32 sum over N·OH·OW
+    rows gathers an error that grows with the count (batch norm in float32 measured
+    2.4-2.9x PyTorch's error, scripts/accuracy_cuda.py); float64 sums keep it at one
+    float32 rounding."""
+    if axes == BATCH_AXES:
+        sums, count = wide_row_sums(a.reshape(-1, a.shape[-1])), a.size // a.shape[-1]
+    else:
+        sums, count = wide_column_sums(a.reshape(a.shape[0], -1)), a.size // a.shape[0]
+    mean = (sums / count).astype(a.dtype, copy=False)
+    return expand(mean, axes) if keepdims else mean
+
+
+def wide_sum(a: np.ndarray) -> np.ndarray:
+    """The sums of an (M, C) array's rows in float64 (`wide_row_sums`), in a's dtype."""
+    return wide_row_sums(a).astype(a.dtype, copy=False)
 
 
 def expand(stat: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
@@ -75,7 +114,7 @@ def update_running(running: np.ndarray, batch_stat: np.ndarray, momentum: float)
 def param_backward(d_out: np.ndarray, x_hat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """d_gamma = sum(d_out * x_hat), d_beta = sum(d_out), over N, OH, OW: (OC,) each."""
     c = d_out.shape[-1]
-    return wide_sum((d_out * x_hat).reshape(-1, c), 0), wide_sum(d_out.reshape(-1, c), 0)
+    return wide_sum((d_out * x_hat).reshape(-1, c)), wide_sum(d_out.reshape(-1, c))
 
 
 def backward_batch_statistics(d_out: np.ndarray, x_hat: np.ndarray, inv_std: np.ndarray,
