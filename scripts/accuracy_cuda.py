@@ -138,6 +138,20 @@ class DecidedReLU(torch.nn.Module):
         return x * self.mask
 
 
+def _network_problem(name: str, device: str) -> tuple:
+    """(the network `name` of scripts/bench_networks.py in float64, the names of its
+    ReLUs, its training batch x, a random target), seeded."""
+    from bench_networks import NETWORKS, network
+
+    (c, h, w), batch, outputs = NETWORKS[name]
+    exact_net = network(name).double().to(device)
+    relus = [n for n, m in exact_net.named_modules() if isinstance(m, torch.nn.ReLU)]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, c, h, w, generator=g, dtype=torch.float64).to(device)
+    target = torch.randn(batch, outputs, generator=g, dtype=torch.float64).to(device)
+    return exact_net, relus, x, target
+
+
 def _first_backward(model, x, target, dt, relus=()) -> tuple[dict, dict]:
     """(gradient of each parameter, float64 on the host; x > 0 after each ReLU named in
     `relus`) of one forward and backward of `model` at dtype `dt`, MSE loss."""
@@ -168,16 +182,9 @@ def network_errors(name: str, dtype: str, device: str, same_decisions: bool = Fa
     block of the CIFAR network, on either side) more than of rounding. With
     `same_decisions` each side is compared with float64 taking that side's own ReLU
     decisions (`DecidedReLU`): the error of the arithmetic alone."""
-    from bench_networks import NETWORKS, network
-
     from conv2d.torch import swap
 
-    (c, h, w), batch, outputs = NETWORKS[name]
-    exact_net = network(name).double().to(device)
-    relus = [n for n, m in exact_net.named_modules() if isinstance(m, torch.nn.ReLU)]
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(batch, c, h, w, generator=g, dtype=torch.float64).to(device)
-    target = torch.randn(batch, outputs, generator=g, dtype=torch.float64).to(device)
+    exact_net, relus, x, target = _network_problem(name, device)
     exact, _ = _first_backward(copy.deepcopy(exact_net), x, target, torch.float64)
     errors = []
     for model in (swap(copy.deepcopy(exact_net)), copy.deepcopy(exact_net)):  # ours, PyTorch's
@@ -196,16 +203,9 @@ def network_errors(name: str, dtype: str, device: str, same_decisions: bool = Fa
 def relu_flips(name: str, dtype: str, device: str) -> dict[str, tuple[int, int]]:
     """ReLU -> (ours, PyTorch's) count of values whose decision (x > 0) differs from
     float64's, in the first forward of network_errors' network and batch."""
-    from bench_networks import NETWORKS, network
-
     from conv2d.torch import swap
 
-    (c, h, w), batch, outputs = NETWORKS[name]
-    exact_net = network(name).double().to(device)
-    relus = [n for n, m in exact_net.named_modules() if isinstance(m, torch.nn.ReLU)]
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(batch, c, h, w, generator=g, dtype=torch.float64).to(device)
-    target = torch.randn(batch, outputs, generator=g, dtype=torch.float64).to(device)
+    exact_net, relus, x, target = _network_problem(name, device)
     _, exact = _first_backward(copy.deepcopy(exact_net), x, target, torch.float64, relus)
     counts = []
     for model in (swap(copy.deepcopy(exact_net)), copy.deepcopy(exact_net)):

@@ -23,7 +23,8 @@ WIDE_BLOCK = 1 << 15
 
 def wide_row_sums(a: np.ndarray) -> np.ndarray:
     """The sums of an (M, C) array's rows, (C,), in float64 (at least): blocks of rows in
-    order, each block's sum a product with a vector of ones."""
+    order, each block's sum a product with a vector of ones (BLAS takes a transposed view
+    as it is)."""
     m, c = a.shape
     dt = np.promote_types(a.dtype, np.float64)
     rows = max(1, WIDE_BLOCK // max(c, 1))
@@ -32,20 +33,6 @@ def wide_row_sums(a: np.ndarray) -> np.ndarray:
     for i in range(0, m, rows):
         part = a[i:i + rows]
         total += ones[:part.shape[0]] @ part.astype(dt, copy=False)
-    return total
-
-
-def wide_column_sums(a: np.ndarray) -> np.ndarray:
-    """The sums of an (N, S) array's columns, (N,), in float64 (at least), as
-    `wide_row_sums` over blocks of columns."""
-    n, s = a.shape
-    dt = np.promote_types(a.dtype, np.float64)
-    cols = max(1, WIDE_BLOCK // max(n, 1))
-    ones = np.ones(min(cols, s), dt)
-    total = np.zeros(n, dt)
-    for j in range(0, s, cols):
-        part = a[:, j:j + cols]
-        total += part.astype(dt) @ ones[:part.shape[1]]
     return total
 
 
@@ -58,7 +45,7 @@ def wide_mean(a: np.ndarray, axes: tuple[int, ...], keepdims: bool = False) -> n
     if axes == BATCH_AXES:
         sums, count = wide_row_sums(a.reshape(-1, a.shape[-1])), a.size // a.shape[-1]
     else:
-        sums, count = wide_column_sums(a.reshape(a.shape[0], -1)), a.size // a.shape[0]
+        sums, count = wide_row_sums(a.reshape(a.shape[0], -1).T), a.size // a.shape[0]  # one sum a sample
     mean = (sums / count).astype(a.dtype, copy=False)
     return expand(mean, axes) if keepdims else mean
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from numpy import float64
+
 from conv2d.cuda.kernels.activation import ZERO
 from conv2d.cuda.kernels.bits import storage_io
 from conv2d.cuda.runtime import numba_cuda
@@ -33,19 +35,32 @@ def window_geometry(spec: Any) -> dict[str, int]:
             "PW": pw, "DH": dh, "DW": dw}
 
 
+@cuda.jit(device=True, inline=True)
+def _as_is(v):
+    return v
+
+
+@cuda.jit(device=True, inline=True)
+def _widened(v):
+    return float64(v)
+
+
 @functools.lru_cache(maxsize=None)
-def window_sum_function(storage: str):
+def window_sum_function(storage: str, wide: bool = False):
     """A device function window_sum(x, w, n, oh, ow, oc, H, W, C, KH, KW, SH, SW, PH, PW,
     DH, DW, CG, OCG): output value (n, oh, ow, oc)'s convolution sum over its window, taps
-    in order (kh, kw, then the CG channels of its group oc // OCG), in float32; x (N, H, W,
-    C), w (OC, KH, KW, CG), flat, in the storage format `storage`. The direct evaluate
-    kernel and the depthwise forward (CG = 1) share it."""
+    in order (kh, kw, then the CG channels of its group oc // OCG), in float32 (float64
+    with `wide`); x (N, H, W, C), w (OC, KH, KW, CG), flat, in the storage format
+    `storage`. The direct evaluate kernel, the depthwise forward (CG = 1) and the float64
+    oracle (kernels/oracle.py, `wide`) share it."""
     load = storage_io(storage).load
+    widen = _widened if wide else _as_is
+    zero = float64(0) if wide else ZERO
 
     @cuda.jit(device=True, inline=True)
     def window_sum(x, w, n, oh, ow, oc, H, W, C, KH, KW, SH, SW, PH, PW, DH, DW, CG, OCG):
         c0 = (oc // OCG) * CG
-        acc = ZERO
+        acc = zero
         for kh in range(KH):
             ih = oh * SH - PH + kh * DH
             if ih >= 0 and ih < H:
@@ -55,6 +70,6 @@ def window_sum_function(storage: str):
                         xb = ((n * H + ih) * W + iw) * C + c0
                         wb = ((oc * KH + kh) * KW + kw) * CG
                         for c in range(CG):
-                            acc += load(x, xb + c) * load(w, wb + c)
+                            acc += widen(load(x, xb + c)) * widen(load(w, wb + c))
         return acc
     return window_sum

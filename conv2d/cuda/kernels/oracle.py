@@ -12,32 +12,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from conv2d.cuda.kernels.layout import nhwc_position
+from conv2d.cuda.kernels.layout import nhwc_position, window_sum_function
 from conv2d.cuda.runtime import numba_cuda
 
 cuda = numba_cuda()
 ZERO = np.float64(0)
 
 
+_window_sum = window_sum_function("float32", wide=True)
+
+
 @cuda.jit
 def forward(x, w, y, N, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, CG, OCG):
     """y = conv(x, w) for the first y.size // (OH*OW*OC) samples: one thread an output
-    value, taps in order (kh, kw, then the group's channels)."""
+    value, taps in order (kh, kw, then the group's channels: layout.window_sum_function)."""
     for i in range(cuda.grid(1), y.size, cuda.gridsize(1)):
         n, oh, ow, oc = nhwc_position(i, OH, OW, OC)
-        c0 = (oc // OCG) * CG
-        acc = ZERO
-        for kh in range(KH):
-            ih = oh * SH - PH + kh * DH
-            if ih >= 0 and ih < H:
-                for kw in range(KW):
-                    iw = ow * SW - PW + kw * DW
-                    if iw >= 0 and iw < W:
-                        xb = ((n * H + ih) * W + iw) * C + c0
-                        wb = ((oc * KH + kh) * KW + kw) * CG
-                        for c in range(CG):
-                            acc += np.float64(x[xb + c]) * np.float64(w[wb + c])
-        y[i] = acc
+        y[i] = _window_sum(x, w, n, oh, ow, oc, H, W, C, KH, KW, SH, SW, PH, PW, DH, DW, CG, OCG)
 
 
 @cuda.jit
