@@ -411,24 +411,36 @@ def _build_accurate(op: str, spec: LayerSpec, handle: Any, probe: Any) -> Graph:
     return other
 
 
-class AccuracyProbe:
-    """What `_build_accurate` measures candidate plans with: fixed random float32 inputs
-    at a graph's shape (device buffers, made on first use, kept for the layer's
-    construction) and the float64 oracle's outputs for them; on the layer's stream."""
+class _DeviceInputs:
+    """Inputs for running plans outside a layer's calls: device buffers of Gaussian (or
+    zero) values in a storage dtype, made on first use and kept by (role, size, dtype), on
+    the layer's stream. Shared by _Bench, InvarianceProbe and AccuracyProbe."""
 
     def __init__(self, cuda, stream_ptr: int) -> None:
-        self.cuda = cuda
+        self.cuda, self.stream_ptr = cuda, stream_ptr
         self.stream = cuda.external_stream(stream_ptr) if stream_ptr else cuda.default_stream()
         self._buffers: dict = {}
-        self._exact: dict = {}
 
-    def _buffer(self, role: str, n: int, zero: bool = False):
-        found = self._buffers.get((role, n))
+    def _buffer(self, role: str, n: int, dtype: DType = DType.FLOAT32, zero: bool = False, seed: int | None = None):
+        """`n` values for `role`: zeros, or Gaussian from `seed` (default: how many buffers
+        came before, so that each role gets its own values)."""
+        key = (role, n, dtype)
+        found = self._buffers.get(key)
         if found is None:
-            v = np.zeros(n, np.float32) if zero else \
-                np.random.default_rng(len(self._buffers)).standard_normal(n, dtype=np.float32)
-            found = self._buffers[(role, n)] = self.cuda.to_device(v, stream=self.stream)
+            v = np.zeros(n, np.float32) if zero else np.random.default_rng(
+                len(self._buffers) if seed is None else seed).standard_normal(n, dtype=np.float32)
+            bits = to_device_bits(v.astype(storage_dtype(dtype)))
+            found = self._buffers[key] = self.cuda.to_device(bits, stream=self.stream)
         return found
+
+
+class AccuracyProbe(_DeviceInputs):
+    """What `_build_accurate` measures candidate plans with: fixed random float32 inputs
+    at a graph's shape and the float64 oracle's outputs for them."""
+
+    def __init__(self, cuda, stream_ptr: int) -> None:
+        super().__init__(cuda, stream_ptr)
+        self._exact: dict = {}
 
     def error(self, op: str, g: Graph, handle: Any) -> float | None:
         """max|got - exact| / max|exact| of graph g's plan on the probe's inputs (its
@@ -491,7 +503,6 @@ class AccuracyProbe:
 # deterministic, not invariant.
 INVARIANT_BATCH = 128
 INVARIANT_PROBE_BYTES = 1 << 28  # the reference batch halves (down to 8) until a batch's tensors fit this
-_CHOICES: dict = {}
 
 
 def invariant_batch(spec: LayerSpec) -> int:
@@ -579,24 +590,9 @@ def _choose_invariant(op: str, spec: LayerSpec, allow_tf32: bool, handle: Any, p
     return min((i, config) for ms, i, config in timed if ms <= fastest * 1.02)[1]
 
 
-class InvarianceProbe:
+class InvarianceProbe(_DeviceInputs):
     """What `invariant_choice` runs candidate plans on: random inputs at the reference
-    batch (device buffers, made on first use and kept for the layer's construction), on
-    the layer's stream."""
-
-    def __init__(self, cuda, stream_ptr: int) -> None:
-        self.cuda = cuda
-        self.stream = cuda.external_stream(stream_ptr) if stream_ptr else cuda.default_stream()
-        self._buffers: dict = {}
-
-    def _buffer(self, role: str, shape: tuple, dtype: DType):
-        n = math.prod(shape)
-        found = self._buffers.get((role, n, dtype))
-        if found is None:
-            v = np.random.default_rng(len(self._buffers)).standard_normal(n, dtype=np.float32)
-            bits = to_device_bits(v.astype(storage_dtype(dtype)))
-            found = self._buffers[(role, n, dtype)] = self.cuda.to_device(bits, stream=self.stream)
-        return found
+    batch."""
 
     def rows(self, op: str, spec: LayerSpec, tensors: dict, workspace: int, run: Any, first: int = 0) -> list[bytes]:
         """The output's samples, as bytes each, of running `run(pack, workspace_ptr)` on
@@ -605,15 +601,16 @@ class InvarianceProbe:
         in_shape, out_shape = ((spec.output_shape, spec.input_shape) if op == "backward_data"
                                else (spec.input_shape, spec.output_shape))
         itemsize = np.dtype(storage_dtype(spec.dtype)).itemsize
-        src = self._buffer(batched, (invariant_batch(spec), *in_shape[1:]), spec.dtype)
+        src = self._buffer(batched, invariant_batch(spec) * math.prod(in_shape[1:]), spec.dtype)
         if first:  # a copy of the samples, at an address as aligned as any batch's
             k = math.prod(in_shape[1:])
             part = self.cuda.device_array(in_shape[0] * k, src.dtype, stream=self.stream)
             part.copy_to_device(src[first * k:(first + in_shape[0]) * k], stream=self.stream)
             src = part
-        ptrs = {batched: device_pointer(src), "w": device_pointer(self._buffer("w", spec.weight_shape, spec.dtype))}
+        ptrs = {batched: device_pointer(src),
+                "w": device_pointer(self._buffer("w", math.prod(spec.weight_shape), spec.dtype))}
         if "b" in tensors:
-            ptrs["b"] = device_pointer(self._buffer("b", (spec.out_channels,), spec.dtype))
+            ptrs["b"] = device_pointer(self._buffer("b", spec.out_channels, spec.dtype))
         y = self.cuda.device_array(math.prod(out_shape) * itemsize, np.uint8, stream=self.stream)
         ptrs[out] = device_pointer(y)
         ws = self.cuda.device_array(max(workspace, 1), np.uint8, stream=self.stream)
@@ -679,32 +676,26 @@ class Convolutions:
         self._run("backward_filter", x=x, dy=d_z, dw=d_w)
 
 
-class _Bench:
+class _Bench(_DeviceInputs):
     """Times one plan of a graph for `_autotune`: random device buffers for its tensors,
     CUDA events on the layer's stream, the median of three rounds."""
 
     def __init__(self, cuda, spec: LayerSpec, stream_ptr: int, handle: Any) -> None:
-        self.cuda, self.spec, self.handle, self.stream_ptr = cuda, spec, handle, stream_ptr
-        self.stream = cuda.external_stream(stream_ptr) if stream_ptr else cuda.default_stream()
-        self._buffers: dict = {}
+        super().__init__(cuda, stream_ptr)
+        self.spec, self.handle = spec, handle
 
     def at(self, spec: LayerSpec) -> "_Bench":
         """The same timer for another spec (another batch size)."""
         return _Bench(self.cuda, spec, self.stream_ptr, self.handle)
 
-    def _buffer(self, role: str):
+    def _role_buffer(self, role: str):
         s = self.spec
         shape = {"x": s.input_shape, "dx": s.input_shape, "w": s.weight_shape, "dw": s.weight_shape,
                  "b": (s.out_channels,)}.get(role, s.output_shape)
-        n = int(np.prod(shape))
-        found = self._buffers.get((role, n))
-        if found is None:
-            v = np.random.default_rng(0).standard_normal(n, dtype=np.float32).astype(storage_dtype(s.dtype))
-            found = self._buffers[(role, n)] = self.cuda.to_device(to_device_bits(v), stream=self.stream)
-        return found
+        return self._buffer(role, math.prod(shape), s.dtype, seed=0)
 
     def __call__(self, tensors: dict, workspace: int, run) -> float:
-        pack = {t: device_pointer(self._buffer(role)) for role, t in tensors.items()}
+        pack = {t: device_pointer(self._role_buffer(role)) for role, t in tensors.items()}
         ws = self.cuda.device_array(max(workspace, 1), np.uint8, stream=self.stream)
         wsp = device_pointer(ws)
         run(pack, wsp, self.handle)
