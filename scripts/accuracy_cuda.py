@@ -13,7 +13,7 @@ Stages, each isolated so that both sides start from the same inputs:
 `--network`: the CIFAR conv-BN-ReLU network (8 layers, N=128) and the Nature-DQN (N=32) of
 scripts/bench_networks.py, the module swapped in: the first backward's gradient of every
 parameter, ours and PyTorch's in float32 and in bfloat16 against PyTorch's float64, plain
-and with each side's own ReLU decisions ("decided": see network_errors; the rounding
+and with each side's own ReLU decisions ("decided": see network_study; the rounding
 error without the flips of ReLUs whose input is within rounding of 0).
 
 Ours is the CUDA backend on a GPU (TF32 off on both sides, PyTorch's cuDNN deterministic)
@@ -171,62 +171,57 @@ def _first_backward(model, x, target, dt, relus=()) -> tuple[dict, dict]:
     return grads, masks
 
 
-def network_errors(name: str, dtype: str, device: str, same_decisions: bool = False) -> dict[str, tuple[float, float]]:
-    """parameter -> (ours, PyTorch's) error of its gradient in the first backward of the
-    network `name` of scripts/bench_networks.py (its training batch, MSE loss against a
-    random target), at `dtype` on both sides, against the same network in float64.
+def network_study(name: str, dtype: str, device: str) -> tuple[dict, dict, dict]:
+    """The first backward of the network `name` of scripts/bench_networks.py (its
+    training batch, MSE loss against a random target) at `dtype` on both sides, ours and
+    PyTorch's, against the same network in float64: (parameter -> (ours, PyTorch's)
+    gradient error against plain float64; the same against float64 taking that side's own
+    ReLU decisions; ReLU -> (ours, PyTorch's) count of decisions unlike float64's).
 
     A ReLU whose input is within rounding of 0 decides differently in float32 and in
     float64, and each such flip moves a gradient by one whole term: in a deep network the
-    max-norm error is then a count of flips (a matter of luck, measured: 0 to 11 flips per
-    block of the CIFAR network, on either side) more than of rounding. With
-    `same_decisions` each side is compared with float64 taking that side's own ReLU
-    decisions (`DecidedReLU`): the error of the arithmetic alone."""
+    max-norm error against plain float64 is then a count of flips (a matter of luck,
+    measured: 0 to 11 flips per block of the CIFAR network, on either side) more than of
+    rounding. Against float64 with the side's own decisions (`DecidedReLU`) it is the
+    error of the arithmetic alone."""
     from conv2d.torch import swap
 
     exact_net, relus, x, target = _network_problem(name, device)
-    exact, _ = _first_backward(copy.deepcopy(exact_net), x, target, torch.float64)
-    errors = []
+    exact, exact_masks = _first_backward(copy.deepcopy(exact_net), x, target, torch.float64, relus)
+    plain, decided, flips = [], [], []
     for model in (swap(copy.deepcopy(exact_net)), copy.deepcopy(exact_net)):  # ours, PyTorch's
         got, masks = _first_backward(model.to(NETWORK_DTYPES[dtype]), x, target, NETWORK_DTYPES[dtype], relus)
-        want = exact
-        if same_decisions:
-            decided = copy.deepcopy(exact_net)
-            for relu in relus:
-                parent, _, child = relu.rpartition(".")
-                setattr(decided.get_submodule(parent) if parent else decided, child, DecidedReLU(masks[relu]))
-            want, _ = _first_backward(decided, x, target, torch.float64)
-        errors.append({k: error(got[k], e) for k, e in want.items()})
-    return {k: (errors[0][k], errors[1][k]) for k in exact}
+        same = copy.deepcopy(exact_net)
+        for relu in relus:
+            parent, _, child = relu.rpartition(".")
+            setattr(same.get_submodule(parent) if parent else same, child, DecidedReLU(masks[relu]))
+        want, _ = _first_backward(same, x, target, torch.float64)
+        plain.append({k: error(got[k], e) for k, e in exact.items()})
+        decided.append({k: error(got[k], e) for k, e in want.items()})
+        flips.append({r: int((masks[r] != exact_masks[r]).sum()) for r in relus})
+    return tuple({k: (ours[k], theirs[k]) for k in ours} for ours, theirs in (plain, decided, flips))
 
 
-def relu_flips(name: str, dtype: str, device: str) -> dict[str, tuple[int, int]]:
-    """ReLU -> (ours, PyTorch's) count of values whose decision (x > 0) differs from
-    float64's, in the first forward of network_errors' network and batch."""
-    from conv2d.torch import swap
-
-    exact_net, relus, x, target = _network_problem(name, device)
-    _, exact = _first_backward(copy.deepcopy(exact_net), x, target, torch.float64, relus)
-    counts = []
-    for model in (swap(copy.deepcopy(exact_net)), copy.deepcopy(exact_net)):
-        _, masks = _first_backward(model.to(NETWORK_DTYPES[dtype]), x, target, NETWORK_DTYPES[dtype], relus)
-        counts.append({r: int((masks[r] != exact[r]).sum()) for r in relus})
-    return {r: (counts[0][r], counts[1][r]) for r in relus}
+def network_errors(name: str, dtype: str, device: str, same_decisions: bool = False) -> dict[str, tuple[float, float]]:
+    """parameter -> (ours, PyTorch's) error of its gradient (`network_study`), against
+    plain float64 or, with `same_decisions`, against float64 taking each side's own ReLU
+    decisions."""
+    plain, decided, _ = network_study(name, dtype, device)
+    return decided if same_decisions else plain
 
 
 def network_rows(device: str, networks: str) -> list[tuple[str, float, float]]:
     """Each network's first backward, float32 and bfloat16: each parameter's gradient
     error against float64 with each side's own ReLU decisions ("decided"), and against
-    plain float64 ("plain")."""
+    plain float64 ("plain"); each ReLU's flips printed."""
     rows = []
     for name in networks.split(","):
         for dtype in NETWORK_DTYPES:
             if dtype == "bfloat16" and device == "cpu":
                 continue  # the reference's bfloat16 is not what users run on the CPU; slow too
-            for same, label in ((True, "decided"), (False, "plain")):
-                rows += [(f"{name} {dtype} {label} {k}", o, t)
-                         for k, (o, t) in network_errors(name, dtype, device, same).items()]
-            flips = relu_flips(name, dtype, device)
+            plain, decided, flips = network_study(name, dtype, device)
+            for label, errors in (("decided", decided), ("plain", plain)):
+                rows += [(f"{name} {dtype} {label} {k}", o, t) for k, (o, t) in errors.items()]
             print(f"{name} {dtype}: ReLU decisions unlike float64's, ours / PyTorch's: "
                   + ", ".join(f"{r}: {o}/{t}" for r, (o, t) in flips.items()), flush=True)
     return rows
