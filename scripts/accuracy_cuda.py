@@ -229,8 +229,13 @@ def network_rows(device: str, networks: str) -> list[tuple[str, float, float]]:
 
 def network_convolutions(name: str) -> list[tuple[str, LayerSpec]]:
     """(the parameter name of its weight, its spec in float32, no bias) of each
-    convolution of the network `name` of scripts/bench_networks.py at its training batch."""
+    convolution of the network `name` of scripts/bench_networks.py at its training batch;
+    "bench": the bench shapes (../shared/BENCH.md) at their batch, one convolution each."""
     from bench_networks import NETWORKS, network
+
+    if name == "bench":
+        return [(shape, dataclasses.replace(bench_spec(shape, False, "float32"), bias=False, activation="identity"))
+                for shape in SHAPES]
 
     (c, h, w), batch, _ = NETWORKS[name]
     net, shapes = network(name), {}
@@ -255,11 +260,13 @@ def engine_rows(networks: str) -> list[str]:
     (mode B) chooses, of mode A's first plan (PyTorch's choice: its error is PyTorch's), and
     of the most accurate deterministic plan of either list, beside PyTorch's own error."""
     from conv2d.cuda import cudnn as C
+    from conv2d.cuda.runtime import numba_cuda
     from conv2d.spec import DType
 
     cud = C._import_cudnn()
     handle = cud.create_handle()
-    cud.set_stream(handle, torch.cuda.current_stream().cuda_stream)
+    stream = torch.cuda.current_stream().cuda_stream
+    cud.set_stream(handle, stream)
     rows = []
     for net in networks.split(","):
         for label, spec in network_convolutions(net):
@@ -268,12 +275,13 @@ def engine_rows(networks: str) -> list[str]:
             kh, kw = spec.kernel
             g = torch.Generator(device="cuda").manual_seed(0)
             x = torch.randn(n, h, w, c, device="cuda", generator=g)
-            wt = torch.randn(oc, kh, kw, c, device="cuda", generator=g) / (kh * kw * c) ** 0.5
+            cg = c // spec.groups
+            wt = torch.randn(oc, kh, kw, cg, device="cuda", generator=g) / (kh * kw * cg) ** 0.5
             dy = torch.randn(n, oh, ow, oc, device="cuda", generator=g)
             results = {}
             for dt in (torch.float64, torch.float32):
                 xs, ws = (t.to(dt).permute(0, 3, 1, 2).requires_grad_(True) for t in (x, wt))
-                y = F.conv2d(xs, ws, None, spec.stride, spec.padding)
+                y = F.conv2d(xs, ws, None, spec.stride, spec.padding, spec.dilation, spec.groups)
                 y.backward(dy.to(dt).permute(0, 3, 1, 2))
                 results[dt] = {"forward": y.detach().permute(0, 2, 3, 1), "backward_data": xs.grad.permute(0, 2, 3, 1),
                                "backward_filter": ws.grad.permute(0, 2, 3, 1)}
@@ -316,12 +324,13 @@ def engine_rows(networks: str) -> list[str]:
                         except Exception:  # a plan that does not build or run
                             continue
                 best = min(plans, key=lambda k: (plans[k][0], plans[k][1]))
+                picked = C._build_accurate(op, spec, handle, C.AccuracyProbe(numba_cuda(), stream)).plan
 
                 def cell(name):
                     e, ms = plans.get(name, (float("nan"), float("nan")))
                     return f"{name} | {e:.2e} | {ms:.3f}"
                 rows.append(f"| {net} {label} | {op} | {cell(chosen['B'])} | {cell(chosen['A'])} | {cell(best)} "
-                            f"| {theirs:.2e} | {plans.get(chosen['B'], (float('nan'),))[0] / theirs:.2f} |")
+                            f"| {picked} | {theirs:.2e} | {plans.get(picked, (float('nan'),))[0] / theirs:.2f} |")
                 print(rows[-1], flush=True)
     return rows
 
@@ -356,8 +365,8 @@ def main() -> None:
         emit("network", network_rows(args.device, args.networks))
     if args.engines and args.device == "cuda":
         head = ["", "| convolution | operation | ours (mode B) | error | GPU ms | mode A (PyTorch's) | error | GPU ms "
-                "| most accurate | error | GPU ms | PyTorch's error | ours / PyTorch |",
-                "| --- | --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+                "| most accurate | error | GPU ms | the backend's choice | PyTorch's error | choice / PyTorch |",
+                "| --- | --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: |"]
         print("\n".join(head), flush=True)
         lines += head + engine_rows(args.networks)
     if args.out:

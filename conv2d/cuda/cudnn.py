@@ -387,17 +387,22 @@ def graph(op: str, spec: LayerSpec, device: int, allow_tf32: bool, handle: Any, 
 # A's first, which is PyTorch's choice (H100: 4 of the 27 operations of the CIFAR network
 # and the Nature-DQN, 5-11x PyTorch's error; docs/accuracy_cuda.md). Where the two
 # differ, both run on fixed random inputs against a float64 oracle on the device
-# (kernels/oracle.py) and the more accurate one is kept, B on a tie: never less accurate
-# than PyTorch's plan, B's speed where it is as accurate. The inputs and the oracle are
-# fixed, the plans deterministic: the choice is too.
+# (kernels/oracle.py) and A is kept where B's error is more than ACCURACY_MARGIN times
+# A's: never far less accurate than PyTorch's plan, B's speed where it is as accurate.
+# The margin, because plans that sum in a different order rank by the inputs within a
+# few tens of percent: on rl_dqn_l1's backward-data (H100), B's plan was 0.92x A's error
+# on one set of random inputs and above 1x on the probe's, and A's plan takes 2.4x as
+# long (the whole float32 step 1.45x); the gaps that matter were 5-11x. The inputs and
+# the oracle are fixed, the plans deterministic: the choice is too.
 ACCURACY_MODES = ("A", "FALLBACK")
+ACCURACY_MARGIN = 2.0
 ACCURACY_SAMPLES = 8  # forward and backward-data are compared on this many samples
 ACCURACY_MAX_WORK = 20_000_000_000  # multiply-adds the oracle may spend on a weight gradient
 
 
 def _build_accurate(op: str, spec: LayerSpec, handle: Any, probe: Any) -> Graph:
     """The float32 (no TF32) graph: mode B's first plan, or mode A's first where the
-    probe (an `AccuracyProbe`) measures it more accurate."""
+    probe (an `AccuracyProbe`) measures B's error above ACCURACY_MARGIN times A's."""
     fast = _build(op, spec, handle, False)
     try:
         other = _build(op, spec, handle, False, modes=ACCURACY_MODES)
@@ -406,7 +411,7 @@ def _build_accurate(op: str, spec: LayerSpec, handle: Any, probe: Any) -> Graph:
     if other.plan == fast.plan:
         return fast
     fast_error, other_error = probe.error(op, fast, handle), probe.error(op, other, handle)
-    if fast_error is None or other_error is None or fast_error <= other_error:
+    if fast_error is None or other_error is None or fast_error <= ACCURACY_MARGIN * other_error:
         return fast
     return other
 
