@@ -257,6 +257,54 @@ def test_functions_refuse_parameters_of_the_wrong_shape_naming_them():
         layer.functions.forward(params, x, True)
 
 
+def _swap_weights(params, replacement, how):
+    """Give `params` other weights: a new array in the same dict, or (torch) new data
+    under the same tensor object."""
+    if how == "new array in the dict":
+        params["weights"] = replacement
+    else:
+        params["weights"].data = replacement
+
+
+@pytest.mark.parametrize("how", ["new array in the dict", "tensor.data replaced"])
+def test_the_reference_functions_read_weights_replaced_between_calls(how):
+    """The reference Functions check and view the same dicts of the same arrays once; an
+    array replaced in the dict, or a tensor given other memory, is read anew."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    spec = functional_spec("none")
+    layer = make_layer(spec)
+    params = {k: torch.from_numpy(v.copy()) for k, v in layer.state_dict().items()}
+    x, _ = inputs_at(spec, 2)
+    fn = layer.functions
+    first = fn.evaluate(params, x).copy()
+    other = np.random.default_rng(5).standard_normal(spec.weight_shape)
+    _swap_weights(params, torch.from_numpy(other), how)
+    layer.load_state_dict({**layer.state_dict(), "weights": other})
+    np.testing.assert_array_equal(fn.evaluate(params, x), layer.evaluate(x))
+    assert not np.array_equal(first, layer.evaluate(x))
+
+
+def test_the_reference_functions_refuse_an_array_reshaped_in_place_after_a_good_call():
+    spec = functional_spec("none")
+    layer = make_layer(spec)
+    params = layer.state_dict()
+    x, _ = inputs_at(spec, 2)
+    layer.functions.evaluate(params, x)
+    params["weights"].shape = (params["weights"].size,)
+    with pytest.raises(ValueError, match=r"params\['weights'\]: expected shape \(3, 3, 3, 2\)"):
+        layer.functions.evaluate(params, x)
+
+
+def test_the_reference_functions_still_want_running_statistics_where_a_cached_call_did_not():
+    spec = functional_spec("batch_norm")
+    layer = make_layer(spec)
+    params, _ = split_state(layer.state_dict())
+    x, _ = inputs_at(spec, 2)
+    layer.functions.forward(params, x, True)  # training: batch statistics, running optional
+    with pytest.raises(ValueError, match="running: expected arrays"):
+        layer.functions.forward(params, x, False)
+
+
 # Outputs in the caller's library ------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 def test_torch_cpu_tensors_through_the_reference_give_torch_tensors_without_copies(dtype):

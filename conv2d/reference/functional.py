@@ -70,9 +70,56 @@ def _per_sample(fn: Any, *arrays: np.ndarray, **fixed: Any) -> Any:
 
 
 def check_params(spec: LayerSpec, params: Mapping[str, Any], running: Mapping[str, Any] | None,
-                 need_running: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+                 need_running: bool, cache: dict | None = None
+                 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
     """NumPy views of `params` and `running`, each key, shape and dtype as the spec's state
-    layout says (torch CPU tensors are viewed, not copied)."""
+    layout says (torch CPU tensors are viewed, not copied). With `cache` (a dict that one
+    spec's `Functions` keeps), the views of the same dicts holding the same array objects
+    as an earlier call are that call's, checked once (a layer passes the same dicts every
+    step; checking and viewing them anew cost ~50 us a call, a quarter of a small layer's)."""
+    if cache is not None:
+        key = (id(params), id(running), need_running)
+        found = cache.get(key)
+        if found is not None and _same_arrays(found[0], params) and _same_arrays(found[1], running):
+            return found[2]
+    views, run = _check_params(spec, params, running, need_running)
+    if cache is not None:
+        if len(cache) >= 8:
+            cache.clear()
+        # The originals are kept (pinning their ids) with the arrays they held.
+        cache[key] = (_snapshot(params), _snapshot(running), (views, run))
+    return views, run
+
+
+def _snapshot(arrays: Mapping[str, Any] | None) -> tuple | None:
+    if arrays is None:
+        return None
+    return arrays, tuple((k, a, _memory(a)) for k, a in arrays.items())
+
+
+def _memory(a: Any) -> tuple:
+    """What a view of the array object `a` depends on and an in-place change can alter
+    (`a.shape = ...` on a NumPy array; `t.data = ...`, `t.set_()`, `t.resize_()` on a
+    tensor)."""
+    if isinstance(a, np.ndarray):
+        return a.shape, a.strides, a.dtype
+    ptr = getattr(a, "data_ptr", None)
+    return (ptr() if ptr is not None else None), tuple(getattr(a, "shape", ())), getattr(a, "dtype", None), \
+        (a.stride() if ptr is not None else None)
+
+
+def _same_arrays(snapshot: tuple | None, arrays: Mapping[str, Any] | None) -> bool:
+    """Whether `arrays` is the dict of `snapshot`, holding the same array objects over
+    the same memory."""
+    if snapshot is None:
+        return arrays is None
+    kept, items = snapshot
+    return kept is arrays and len(arrays) == len(items) and all(
+        arrays.get(k) is a and _memory(a) == m for k, a, m in items)
+
+
+def _check_params(spec: LayerSpec, params: Mapping[str, Any], running: Mapping[str, Any] | None,
+                  need_running: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
     layout = state_layout(spec)
     views = {}
     for group, arrays, names in (("params", params, [k for k in layout if k not in RUNNING]),
@@ -151,17 +198,18 @@ def check_input(spec: LayerSpec, name: str, x: Any) -> tuple[np.ndarray, str, La
 
 
 def forward(spec: LayerSpec, params: Mapping[str, Any], x: Any, training: bool,
-            running: Mapping[str, Any] | None = None) -> tuple[Any, Saved]:
+            running: Mapping[str, Any] | None = None, cache: dict | None = None) -> tuple[Any, Saved]:
     """(y (N, OH, OW, OC), saved) for input x (N, H, W, C) at any N, H, W the kernel fits.
 
     Batch norm in training normalises with the batch's statistics and updates `running`
-    in place (if given); otherwise it uses `running`. Layer norm uses each sample's own."""
+    in place (if given); otherwise it uses `running`. Layer norm uses each sample's own.
+    `cache`: check_params' (a Functions' own)."""
     if not isinstance(training, bool):
         raise TypeError(f"training: expected a bool, got {training!r}")
     x, lib, call = check_input(spec, "x", x)
     st = storage_dtype(spec.dtype)
     need_running = spec.normalization is Normalization.BATCH_NORM and not spec.batch_statistics(training)
-    params, running = check_params(spec, params, running, need_running)
+    params, running = check_params(spec, params, running, need_running, cache)
     params = _with_identity_affine(spec, params)
     if running is not None and training and spec.normalization is Normalization.BATCH_NORM:
         for k, a in running.items():  # both, before either is updated
@@ -203,13 +251,15 @@ def grad_pre_activations(params: dict, saved: Saved, d_y: np.ndarray) -> tuple[n
 
 
 def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any, want_params: bool = True,
-             want_input: bool = True, accumulate: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
+             want_input: bool = True, accumulate: Mapping[str, Any] | None = None,
+             cache: dict | None = None) -> tuple[Any, Any]:
     """(grads, d_x) of the forward that gave `saved`, for d_y (N, OH, OW, OC) of its shape.
 
     grads: {"weights", "bias", "gamma", "beta"} as the spec has them, new arrays in the
     parameters' dtypes, or, with `accumulate` (arrays of the same keys), added into those
     in place (+=, rounded to their dtype) and returned; None unless `want_params`.
-    d_x (N, H, W, C), new, or None unless `want_input`."""
+    d_x (N, H, W, C), new, or None unless `want_input`. `cache`: check_params' (a
+    Functions' own)."""
     if not isinstance(saved, Saved):
         raise TypeError(f"saved: expected the Saved of a reference forward, got {type(saved).__name__}")
     call = saved.spec
@@ -220,7 +270,7 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
     st, ct = storage_dtype(spec.dtype), compute_dtype(spec.dtype)
     d_y, lib = host_view("d_y", d_y)
     check_numpy("d_y", d_y, call.output_shape, st)
-    params, _ = check_params(spec, params, None, False)
+    params, _ = check_params(spec, params, None, False, cache)
     params = _with_identity_affine(spec, params)
     acc = None
     if want_params and accumulate is not None:
@@ -261,6 +311,7 @@ class Functions:
 
     def __init__(self, spec: LayerSpec) -> None:
         self.spec = spec
+        self._checked: dict = {}  # check_params' views of the caller's dicts, by identity
 
     def check_input(self, name: str, x: Any) -> LayerSpec:
         """The call's spec for input `x`, after the checks `forward` makes of it."""
@@ -268,11 +319,11 @@ class Functions:
 
     def forward(self, params: Mapping[str, Any], x: Any, training: bool,
                 running: Mapping[str, Any] | None = None) -> tuple[Any, Saved]:
-        return forward(self.spec, params, x, training, running)
+        return forward(self.spec, params, x, training, running, self._checked)
 
     def evaluate(self, params: Mapping[str, Any], x: Any, running: Mapping[str, Any] | None = None) -> Any:
         """forward(training=False)'s y, keeping nothing."""
-        return forward(self.spec, params, x, False, running)[0]
+        return forward(self.spec, params, x, False, running, self._checked)[0]
 
     def saved(self, x: Any, pre: Any, mean: Any, inv_std: Any, batch_stats: bool) -> Saved:
         """A Saved made of the caller's arrays (a forward's saved values that the caller
@@ -289,7 +340,7 @@ class Functions:
 
     def backward(self, params: Mapping[str, Any], saved: Saved, d_y: Any, want_params: bool = True,
                  want_input: bool = True, accumulate: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
-        return backward(self.spec, params, saved, d_y, want_params, want_input, accumulate)
+        return backward(self.spec, params, saved, d_y, want_params, want_input, accumulate, self._checked)
 
     def pre_activations(self, saved: Saved) -> np.ndarray:
         """A read-only view of the saved pre-activations (N, OH, OW, OC)."""
