@@ -25,6 +25,12 @@ NO_GPU_REASON = ("no NVIDIA GPU here (libcuda.so.1 missing or no device): the CU
 if not HAVE_GPU:
     # Without a GPU the numba kernels run in numba's CUDA simulator.
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+    try:
+        from conv2d.cuda.private import yielding_simulator
+        yielding_simulator()
+    except ImportError:  # numba is not installed: the simulator tests skip
+        pass
 
 import conv2d
 from conv2d import Conv2d, LayerSpec

@@ -549,3 +549,33 @@ def test_strict_float32_keeps_mode_a_plan_only_where_mode_b_is_clearly_less_accu
 
     monkeypatch.setattr(cudnn, "_build", build)
     assert cudnn._build_accurate("forward", small_layer_spec(), None, Probe()).plan == kept
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="the simulator's own behaviour: runs where the kernels are simulated")
+def test_the_yielding_simulator_is_patched_once_and_keeps_a_block_barrier_right():
+    """conftest applies private.yielding_simulator; again changes nothing, and a block
+    that sums through shared memory between barriers still gets every thread's value."""
+    from numba.cuda.simulator import kernel as simulated
+
+    from conv2d.cuda.private import yielding_simulator
+
+    patched = simulated.BlockThread.is_alive
+    yielding_simulator()
+    assert simulated.BlockThread.is_alive is patched and patched.yields
+
+    @cuda.jit
+    def block_sum(out):
+        shared = cuda.shared.array(32, np.float32)
+        t = cuda.threadIdx.x
+        shared[t] = t + 1
+        cuda.syncthreads()
+        if t == 0:
+            total = np.float32(0)
+            for i in range(32):
+                total += shared[i]
+            out[0] = total
+        cuda.syncthreads()
+
+    out = cuda.device_array(1, np.float32)
+    block_sum[1, 32](out)
+    assert out.copy_to_host()[0] == 32 * 33 / 2

@@ -17,6 +17,9 @@ release that moves one of these shows up as a failing test, with a working fallb
 - cudnn-frontend, execution: `native_execute` prepares the frontend's native entry point
   over an array of pointers in the graph's uid order (`_execute_with_raw_ptrs`), 6 us
   against 25-30 us for `execute`. Public path: `graph.execute({uid: pointer}, workspace, handle=)`.
+- numba's CUDA simulator, for tests: `yielding_simulator` makes the simulator's block
+  manager let go of the GIL while it polls the block's threads (see there). Public path:
+  the simulator as it is, slower.
 """
 
 from __future__ import annotations
@@ -140,3 +143,29 @@ def native_execute(graph: Any, uids: dict[str, int], handle: Any, workspace_ptr:
     entry = graph._lowered_graph._execute_with_raw_ptrs
     args = (ctypes.addressof(array), len(order), workspace_ptr, to_backend_handle(handle) or 0, cpp_index)
     return entry, args, array, slots
+
+
+# numba: the CUDA simulator (tests) ----------------------------------------------------------
+def yielding_simulator() -> None:
+    """Make numba's CUDA simulator yield the GIL each time its block manager asks whether
+    a thread of the block is alive. The manager polls the block's threads (one Python
+    thread per CUDA thread) in a loop that never releases the GIL itself, so each thread
+    it waits for got the GIL only at the interpreter's switch interval: the same
+    simulator test took 5 s or 130 s from run to run (CI, 2 cores), and the depthwise
+    tests 25-350 s, against 19-20 s with this. The threads and what they compute are
+    unchanged. Call it before any kernel runs, only where NUMBA_ENABLE_CUDASIM is set;
+    calling it again changes nothing."""
+    import time
+
+    from numba.cuda.simulator import kernel
+
+    thread = kernel.BlockThread
+    if getattr(thread.is_alive, "yields", False):
+        return
+    polled = thread.is_alive
+
+    def is_alive(self) -> bool:
+        time.sleep(0)  # releases the GIL: a waiting block thread runs now
+        return polled(self)
+    is_alive.yields = True
+    thread.is_alive = is_alive

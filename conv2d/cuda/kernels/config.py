@@ -117,5 +117,17 @@ def small_grid(total: int) -> tuple[int, int]:
     return (max(1, -(-total // WARP)), WARP)
 
 
+# In numba's simulator every CUDA thread is a Python thread, started per block and polled
+# by the block's manager: a launch of 2 blocks of 256 threads over 500 values took seconds
+# (CI). The elementwise kernels loop over the grid's stride, so a smaller grid computes the
+# same values; two blocks keep the several-block paths (optim's last-block ticket) tested.
+SIMULATOR_ELEMENTWISE_GRID = (2, WARP)
+
+
 def elementwise_grid(total: int) -> tuple[int, int]:
-    return (max(1, min(ELEMENTWISE_MAX_BLOCKS, -(-total // ELEMENTWISE_THREADS))), ELEMENTWISE_THREADS)
+    """(blocks, threads) of a grid-stride kernel over `total` values."""
+    blocks = max(1, min(ELEMENTWISE_MAX_BLOCKS, -(-total // ELEMENTWISE_THREADS)))
+    if simulating():
+        sim_blocks, threads = SIMULATOR_ELEMENTWISE_GRID
+        return min(blocks * ELEMENTWISE_THREADS // threads, sim_blocks), threads
+    return blocks, ELEMENTWISE_THREADS
