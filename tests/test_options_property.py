@@ -70,3 +70,23 @@ def test_random_option_combinations_match_pytorch_in_float64(spec, training):
     for name in ("running_mean", "running_var", "num_batches_tracked"):  # those the layer keeps
         if name in state:
             np.testing.assert_allclose(state[name], want[name], rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(in_height=4, in_width=4, kernel=4, padding=0),  # the digits CNN's last layer: a 1x1 map
+    dict(in_height=5, in_width=5, kernel=3, dilation=2, padding=0, stride=2),
+    dict(in_height=3, in_width=3, kernel=3, dilation=2, padding=1, padding_mode="reflect"),
+    dict(in_height=3, in_width=2, kernel=(3, 2), stride=3, padding=((0, 1), (0, 0)), padding_mode="circular",
+         groups=2, in_channels=4, out_channels=6),
+])
+def test_a_layer_with_a_one_by_one_output_map_matches_pytorch_in_float64(fields):
+    """conv_backward_data's one-window path (one product for every tap)."""
+    spec = LayerSpec(**{**dict(batch_size=3, in_channels=2, out_channels=3, activation="tanh", dtype="float64"),
+                        **fields})
+    assert (spec.out_height, spec.out_width) == (1, 1)
+    layer = make_layer(spec, seed=1)
+    x, d_y = random_inputs(spec, seed=2)
+    want = torch_oracle.run(spec, layer.state_dict(), x, d_y, True)
+    layer.forward(x, training=True)
+    np.testing.assert_allclose(layer.backward_full(x, d_y), want["d_x"], rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose(layer.grad_dict()["weights"], want["grad.weights"], rtol=1e-9, atol=1e-11)

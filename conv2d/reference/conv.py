@@ -173,6 +173,15 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
     h, w_in = input_hw
     hp, wp = h + top_pad + bottom_pad, w_in + left_pad + right_pad
     d_xp = np.zeros((n, hp, wp, c), dtype=np.result_type(w, d_z))
+    if oh == 1 and ow == 1:
+        # One window (a layer that ends in a 1x1 map): its taps land on distinct input
+        # positions, so one product gives them all, with nothing to add up.
+        w_all = w.reshape(oc, kh * kw * c)
+        taps = d_xp[:, :(kh - 1) * dh + 1:dh, :(kw - 1) * dw + 1:dw, :]
+        step = 1 if per_sample else n
+        for b in range(0, n, step):
+            taps[b:b + step] = (d_z[b:b + step].reshape(-1, oc) @ w_all).reshape(-1, kh, kw, c)
+        return unpad(d_xp, padding, mode, input_hw)
     step = 1 if per_sample else _block_samples((hp * wp + oh * ow) * c * d_xp.itemsize)
     for b in range(0, n, step):
         rows = d_z[b:b + step].reshape(-1, oc)
