@@ -1,4 +1,5 @@
-"""The CUDA functions' arguments, checked and viewed as flat device arrays: the input x
+"""The CUDA functions' arguments: the backend options (`check_options`), and the calls'
+arguments checked and viewed as flat device arrays: the input x
 (N, H, W, C) and d_y, the caller's parameter and running-statistics dicts (checked once
 per set of array objects and cached by identity: a layer passes the same dicts every
 step), arrays the caller gives for outputs, and the caller's saved values."""
@@ -10,10 +11,47 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from conv2d.arrays import NUMPY, library
+from conv2d.backend import not_taken
 from conv2d.checks import describe, input_spec
+from conv2d.cuda import kernels as K
+from conv2d.cuda.depthwise import is_depthwise
 from conv2d.cuda.runtime import device_input, device_view
 from conv2d.spec import DType, LayerSpec, Normalization
 from conv2d.state import RUNNING, state_layout
+
+
+def check_options(spec: LayerSpec, allow_tf32: bool, autotune: bool, fast_paths: bool, kernels: str,
+                  launch_config: Any, evaluate_kernel: str, max_shapes: int, depthwise_kernel: str) -> None:
+    """The checks of `Functions`' backend options for `spec`, before anything is built:
+    which argument, what was expected, what came."""
+    if spec.dtype is DType.FLOAT64:
+        raise ValueError("dtype: float64 is the reference backend's oracle type; the CUDA backend takes "
+                         "float32, float16 or bfloat16")
+    reason = not_taken("cuda", spec)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    for name, value in (("allow_tf32", allow_tf32), ("autotune", autotune), ("fast_paths", fast_paths)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {value!r}")
+    if evaluate_kernel not in ("cudnn", "direct"):
+        raise ValueError(f"evaluate_kernel: expected 'cudnn' or 'direct', got {evaluate_kernel!r}")
+    if evaluate_kernel == "direct" and spec.normalization is Normalization.LAYER_NORM:
+        raise ValueError("evaluate_kernel: 'direct' takes no norm or batch norm; layer norm needs each "
+                         "sample's statistics first (use 'cudnn')")
+    if evaluate_kernel == "direct" and not spec.bn_track_running_stats:
+        raise ValueError("evaluate_kernel: 'direct' normalises with running statistics; this batch norm has "
+                         "none (bn_track_running_stats=False) and needs the batch's first (use 'cudnn')")
+    if depthwise_kernel not in ("cudnn", "numba"):
+        raise ValueError(f"depthwise_kernel: expected 'cudnn' or 'numba', got {depthwise_kernel!r}")
+    if depthwise_kernel == "numba" and not is_depthwise(spec):
+        raise ValueError(f"depthwise_kernel: 'numba' takes depthwise layers (groups == in_channels), got groups="
+                         f"{spec.groups} with in_channels={spec.in_channels}")
+    if kernels not in ("fast", "simple"):
+        raise ValueError(f"kernels: expected 'fast' or 'simple', got {kernels!r}")
+    if not isinstance(launch_config, K.LaunchConfig):
+        raise TypeError(f"launch_config: expected a conv2d.cuda.kernels.LaunchConfig, got {launch_config!r}")
+    if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 1:
+        raise ValueError(f"max_shapes: expected an int >= 1, got {max_shapes!r}")
 
 
 class Arguments:

@@ -35,55 +35,22 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from conv2d.arrays import NUMPY, library
-from conv2d.backend import not_taken
 from conv2d.cuda import cudnn, kernels as K, steps
-from conv2d.cuda.arguments import Arguments
+from conv2d.cuda.arguments import Arguments, check_options
 from conv2d.cuda.kernels import simple
 from conv2d.cuda.kernels.padding import padding_kernels
 from conv2d.cuda.launch import Launch, Launcher, device_pointer
 from conv2d.cuda.memory import OutputAllocator, Outputs
 from conv2d.cuda.plans import Saved, ShapePlan, ShapePlans
-from conv2d.cuda.depthwise import DepthwiseConvolutions, is_depthwise
+from conv2d.cuda.depthwise import DepthwiseConvolutions
 from conv2d.cuda.runtime import (as_stream, device_dtype, from_device_bits, numba_cuda, require_gpu, same_stream,
                                  simulating, stream_handle, to_device_bits, zero_fill)
 from conv2d.cuda.streams import Streams
 from conv2d.dtypes import storage_dtype
-from conv2d.spec import Activation, DType, LayerSpec, Normalization
+from conv2d.spec import Activation, LayerSpec, Normalization
 from conv2d.state import state_layout
 
 __all__ = ["Functions", "Saved"]
-
-
-def _check_options(spec: LayerSpec, allow_tf32: bool, autotune: bool, fast_paths: bool, kernels: str,
-                   launch_config: Any, evaluate_kernel: str, max_shapes: int, depthwise_kernel: str) -> None:
-    if spec.dtype is DType.FLOAT64:
-        raise ValueError("dtype: float64 is the reference backend's oracle type; the CUDA backend takes "
-                         "float32, float16 or bfloat16")
-    reason = not_taken("cuda", spec)
-    if reason is not None:
-        raise NotImplementedError(reason)
-    for name, value in (("allow_tf32", allow_tf32), ("autotune", autotune), ("fast_paths", fast_paths)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name}: expected a bool, got {value!r}")
-    if evaluate_kernel not in ("cudnn", "direct"):
-        raise ValueError(f"evaluate_kernel: expected 'cudnn' or 'direct', got {evaluate_kernel!r}")
-    if evaluate_kernel == "direct" and spec.normalization is Normalization.LAYER_NORM:
-        raise ValueError("evaluate_kernel: 'direct' takes no norm or batch norm; layer norm needs each "
-                         "sample's statistics first (use 'cudnn')")
-    if evaluate_kernel == "direct" and not spec.bn_track_running_stats:
-        raise ValueError("evaluate_kernel: 'direct' normalises with running statistics; this batch norm has "
-                         "none (bn_track_running_stats=False) and needs the batch's first (use 'cudnn')")
-    if depthwise_kernel not in ("cudnn", "numba"):
-        raise ValueError(f"depthwise_kernel: expected 'cudnn' or 'numba', got {depthwise_kernel!r}")
-    if depthwise_kernel == "numba" and not is_depthwise(spec):
-        raise ValueError(f"depthwise_kernel: 'numba' takes depthwise layers (groups == in_channels), got groups="
-                         f"{spec.groups} with in_channels={spec.in_channels}")
-    if kernels not in ("fast", "simple"):
-        raise ValueError(f"kernels: expected 'fast' or 'simple', got {kernels!r}")
-    if not isinstance(launch_config, K.LaunchConfig):
-        raise TypeError(f"launch_config: expected a conv2d.cuda.kernels.LaunchConfig, got {launch_config!r}")
-    if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 1:
-        raise ValueError(f"max_shapes: expected an int >= 1, got {max_shapes!r}")
 
 
 class Functions:
@@ -119,7 +86,7 @@ class Functions:
         `depthwise_kernel`: for a depthwise layer, "cudnn" (default) or "numba" (the three
         convolutions by depthwise.py's kernels, no cuDNN; they also run in numba's
         simulator; with kernels="simple" the weight gradient's simple kernel)."""
-        _check_options(spec, allow_tf32, autotune, fast_paths, kernels, launch_config, evaluate_kernel, max_shapes,
+        check_options(spec, allow_tf32, autotune, fast_paths, kernels, launch_config, evaluate_kernel, max_shapes,
                        depthwise_kernel)
         own_convolutions = convolutions is None and depthwise_kernel == "numba"
         cuda = numba_cuda() if convolutions is not None or (own_convolutions and simulating()) else require_gpu()
