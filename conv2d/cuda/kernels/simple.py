@@ -92,6 +92,128 @@ def momentum_argument(spec) -> np.float32:
     return np.float32(-1.0 if spec.bn_momentum is None else spec.bn_momentum)
 
 
+# The kernels that read and write float32 alone and apply no activation: one for every
+# storage format and activation (a set below names them beside its own).
+@cuda.jit
+def statistics(z, C, S, layer, mean, var):
+    """norm.statistics: the mean and biased variance of each group, two passes (one
+    thread a group)."""
+    g = cuda.grid(1)
+    if g >= mean.size:
+        return
+    first, count, step = _members(g, C, S, layer, z.size)
+    total = ZERO
+    for k in range(count):
+        total += z[first + k * step]
+    m = total / f32(count)
+    squares = ZERO
+    for k in range(count):
+        dev = z[first + k * step] - m
+        squares += dev * dev
+    mean[g] = m
+    var[g] = squares / f32(count)
+
+
+@cuda.jit
+def inverse_std(var, epsilon, out):
+    """norm.inverse_std: out = 1 / sqrt(var + epsilon) (one thread a group)."""
+    g = cuda.grid(1)
+    if g < var.size:
+        out[g] = ONE / math.sqrt(var[g] + epsilon)
+
+
+@cuda.jit
+def update_running(running, stat, momentum, batches, scale):
+    """norm.update_running: running = (1 - momentum) * running + momentum * stat *
+    scale (scale: the unbiased-variance factor, or 1) (one thread a channel); a
+    momentum < 0 stands for the cumulative average, 1 / batches[0] (the batches
+    counted by count_batch, this one included)."""
+    c = cuda.grid(1)
+    if c < running.size:
+        m = momentum if momentum >= ZERO else ONE / np.float32(batches[0])
+        running[c] = (ONE - m) * running[c] + m * (stat[c] * scale)
+
+
+@cuda.jit
+def activation_input(z, mean, inv_std, gamma, beta, C, S, layer, a, x_hat):
+    """_activation_input with a norm: x_hat = (z - mean) * inv_std and a = gamma *
+    x_hat + beta (one thread a value)."""
+    i = cuda.grid(1)
+    if i < z.size:
+        g, c = _group(i, C, S, layer), i % C
+        xh = (z[i] - mean[g]) * inv_std[g]
+        x_hat[i] = xh
+        a[i] = xh * gamma[c] + beta[c]
+
+
+@cuda.jit
+def param_backward(d_a, x_hat, C, d_gamma, d_beta):
+    """norm.param_backward: d_gamma = sum(d_a * x_hat), d_beta = sum(d_a) over the rows
+    (one thread a channel)."""
+    c = cuda.grid(1)
+    if c >= C:
+        return
+    sg = ZERO
+    sb = ZERO
+    for r in range(d_a.size // C):
+        sg += d_a[r * C + c] * x_hat[r * C + c]
+        sb += d_a[r * C + c]
+    d_gamma[c] = sg
+    d_beta[c] = sb
+
+
+@cuda.jit
+def gradient_means(d_a, x_hat, gamma, C, S, layer, mean_g, mean_gx):
+    """backward_batch_statistics' group means: with g = d_a * gamma, mean(g) and
+    mean(g * x_hat) over each group (one thread a group)."""
+    grp = cuda.grid(1)
+    if grp >= mean_g.size:
+        return
+    first, count, step = _members(grp, C, S, layer, d_a.size)
+    s = ZERO
+    sx = ZERO
+    for k in range(count):
+        j = first + k * step
+        g = d_a[j] * gamma[j % C]
+        s += g
+        sx += g * x_hat[j]
+    mean_g[grp] = s / f32(count)
+    mean_gx[grp] = sx / f32(count)
+
+
+@cuda.jit
+def backward_batch_statistics(d_a, x_hat, inv_std, gamma, mean_g, mean_gx, C, S, layer, d_z):
+    """norm.backward_batch_statistics: d_z = inv_std * (g - mean(g) - x_hat *
+    mean(g * x_hat)), g = d_a * gamma, the means from `gradient_means` (one thread a
+    value)."""
+    i = cuda.grid(1)
+    if i < d_z.size:
+        grp, c = _group(i, C, S, layer), i % C
+        g = d_a[i] * gamma[c]
+        d_z[i] = inv_std[grp] * (g - mean_g[grp] - x_hat[i] * mean_gx[grp])
+
+
+@cuda.jit
+def backward_fixed_statistics(d_a, inv_std, gamma, C, d_z):
+    """norm.backward_fixed_statistics: d_z = d_a * gamma * inv_std, batch norm with
+    the running statistics (one thread a value)."""
+    i = cuda.grid(1)
+    if i < d_a.size:
+        c = i % C
+        d_z[i] = d_a[i] * gamma[c] * inv_std[c]
+
+
+@cuda.jit
+def bias_backward(d_z, C, d_bias):
+    """conv.bias_backward: d_bias = sum of d_z over the rows (one thread a channel)."""
+    c = cuda.grid(1)
+    if c < C:
+        s = ZERO
+        for r in range(d_z.size // C):
+            s += d_z[r * C + c]
+        d_bias[c] = s
+
+
 @functools.lru_cache(maxsize=None)
 def simple_set(storage: str, activation: Activation, parameter: float | None = None) -> SimpleSet:
     """The simple kernels for values stored as `storage` ("float32", "float16", "bfloat16")
@@ -115,54 +237,6 @@ def simple_set(storage: str, activation: Activation, parameter: float | None = N
             store(out, i, src[i])
 
     @cuda.jit
-    def statistics(z, C, S, layer, mean, var):
-        """norm.statistics: the mean and biased variance of each group, two passes (one
-        thread a group)."""
-        g = cuda.grid(1)
-        if g >= mean.size:
-            return
-        first, count, step = _members(g, C, S, layer, z.size)
-        total = ZERO
-        for k in range(count):
-            total += z[first + k * step]
-        m = total / f32(count)
-        squares = ZERO
-        for k in range(count):
-            dev = z[first + k * step] - m
-            squares += dev * dev
-        mean[g] = m
-        var[g] = squares / f32(count)
-
-    @cuda.jit
-    def inverse_std(var, epsilon, out):
-        """norm.inverse_std: out = 1 / sqrt(var + epsilon) (one thread a group)."""
-        g = cuda.grid(1)
-        if g < var.size:
-            out[g] = ONE / math.sqrt(var[g] + epsilon)
-
-    @cuda.jit
-    def update_running(running, stat, momentum, batches, scale):
-        """norm.update_running: running = (1 - momentum) * running + momentum * stat *
-        scale (scale: the unbiased-variance factor, or 1) (one thread a channel); a
-        momentum < 0 stands for the cumulative average, 1 / batches[0] (the batches
-        counted by count_batch, this one included)."""
-        c = cuda.grid(1)
-        if c < running.size:
-            m = momentum if momentum >= ZERO else ONE / np.float32(batches[0])
-            running[c] = (ONE - m) * running[c] + m * (stat[c] * scale)
-
-    @cuda.jit
-    def activation_input(z, mean, inv_std, gamma, beta, C, S, layer, a, x_hat):
-        """_activation_input with a norm: x_hat = (z - mean) * inv_std and a = gamma *
-        x_hat + beta (one thread a value)."""
-        i = cuda.grid(1)
-        if i < z.size:
-            g, c = _group(i, C, S, layer), i % C
-            xh = (z[i] - mean[g]) * inv_std[g]
-            x_hat[i] = xh
-            a[i] = xh * gamma[c] + beta[c]
-
-    @cuda.jit
     def activation_forward(a, y):
         """activations.forward: y = f(a), stored (one thread a value)."""
         i = cuda.grid(1)
@@ -176,69 +250,6 @@ def simple_set(storage: str, activation: Activation, parameter: float | None = N
         i = cuda.grid(1)
         if i < a.size:
             d_a[i] = d(a[i]) * load(d_y, i)
-
-    @cuda.jit
-    def param_backward(d_a, x_hat, C, d_gamma, d_beta):
-        """norm.param_backward: d_gamma = sum(d_a * x_hat), d_beta = sum(d_a) over the rows
-        (one thread a channel)."""
-        c = cuda.grid(1)
-        if c >= C:
-            return
-        sg = ZERO
-        sb = ZERO
-        for r in range(d_a.size // C):
-            sg += d_a[r * C + c] * x_hat[r * C + c]
-            sb += d_a[r * C + c]
-        d_gamma[c] = sg
-        d_beta[c] = sb
-
-    @cuda.jit
-    def gradient_means(d_a, x_hat, gamma, C, S, layer, mean_g, mean_gx):
-        """backward_batch_statistics' group means: with g = d_a * gamma, mean(g) and
-        mean(g * x_hat) over each group (one thread a group)."""
-        grp = cuda.grid(1)
-        if grp >= mean_g.size:
-            return
-        first, count, step = _members(grp, C, S, layer, d_a.size)
-        s = ZERO
-        sx = ZERO
-        for k in range(count):
-            j = first + k * step
-            g = d_a[j] * gamma[j % C]
-            s += g
-            sx += g * x_hat[j]
-        mean_g[grp] = s / f32(count)
-        mean_gx[grp] = sx / f32(count)
-
-    @cuda.jit
-    def backward_batch_statistics(d_a, x_hat, inv_std, gamma, mean_g, mean_gx, C, S, layer, d_z):
-        """norm.backward_batch_statistics: d_z = inv_std * (g - mean(g) - x_hat *
-        mean(g * x_hat)), g = d_a * gamma, the means from `gradient_means` (one thread a
-        value)."""
-        i = cuda.grid(1)
-        if i < d_z.size:
-            grp, c = _group(i, C, S, layer), i % C
-            g = d_a[i] * gamma[c]
-            d_z[i] = inv_std[grp] * (g - mean_g[grp] - x_hat[i] * mean_gx[grp])
-
-    @cuda.jit
-    def backward_fixed_statistics(d_a, inv_std, gamma, C, d_z):
-        """norm.backward_fixed_statistics: d_z = d_a * gamma * inv_std, batch norm with
-        the running statistics (one thread a value)."""
-        i = cuda.grid(1)
-        if i < d_a.size:
-            c = i % C
-            d_z[i] = d_a[i] * gamma[c] * inv_std[c]
-
-    @cuda.jit
-    def bias_backward(d_z, C, d_bias):
-        """conv.bias_backward: d_bias = sum of d_z over the rows (one thread a channel)."""
-        c = cuda.grid(1)
-        if c < C:
-            s = ZERO
-            for r in range(d_z.size // C):
-                s += d_z[r * C + c]
-            d_bias[c] = s
 
     @cuda.jit
     def accumulate(total, new):
