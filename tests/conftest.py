@@ -5,6 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conv2d.cuda.runtime import simulating  # reads NUMBA_ENABLE_CUDASIM when called; imports no numba
+
 
 def _cuda_device_count() -> int:
     """NVIDIA GPUs the driver reports, asked without importing numba (which must see
@@ -19,13 +21,13 @@ def _cuda_device_count() -> int:
     return count.value
 
 
-HAVE_GPU = _cuda_device_count() > 0 and os.environ.get("NUMBA_ENABLE_CUDASIM", "0") in ("", "0")
+HAVE_GPU = _cuda_device_count() > 0 and not simulating()
 NO_GPU_REASON = ("no NVIDIA GPU here (libcuda.so.1 missing or no device): the CUDA backend's tests need one "
                  "and the cuda12/cuda13 extra")
 if not HAVE_GPU:
     # Without a GPU the numba kernels run in numba's CUDA simulator.
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+if simulating():
     try:
         from conv2d.cuda.private import yielding_simulator
         yielding_simulator()
