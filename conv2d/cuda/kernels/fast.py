@@ -133,7 +133,7 @@ def _segment_kernels(storage: str, activation: Activation, normalization: Normal
             return v, v * v
         a, x_hat = stored_activation_input(z, i, c, g, mean, inv_std, gamma, beta)
         d_a_gamma = load(d_y, i) * act_d(a) * gamma[c]
-        return d_a_gamma, d_a_gamma * x_hat
+        return d_a_gamma, np.float32(d_a_gamma * x_hat)
 
     def make_partials(job):
         @cuda.jit
