@@ -14,7 +14,8 @@ for the reference steps it computes (reference function -> simple kernels -> her
 
 Every array is flat and C-ordered: activations are (M, C) with M = N*OH*OW rows and
 C = OC channels (NHWC), a sample is S = OH*OW*OC consecutive values. Storage arrays are
-float32, float16, or uint16 holding bfloat16 bits; all arithmetic is float32.
+float32, float16, or uint16 holding bfloat16 bits. The row engine sums in float64 and, for
+float32 storage, computes each value in float64 (rows.value_math); the rest is float32.
 
 The four per-value kernels are one row engine (`rows.py`) compiled for four jobs; its
 reductions, and the segment reductions of layer norm here, run in a fixed order, so
