@@ -578,3 +578,23 @@ def test_the_bias_gradient_sums_d_z_as_stored_in_the_storage_dtype():
     rounded, unrounded = bias_of(d_z.astype(st).astype(np.float32)), bias_of(d_z)
     assert (rounded != unrounded).any()
     np.testing.assert_array_equal(grads["bias"], rounded)
+
+
+@pytest.mark.parametrize("blocks", [0.01, 1, 1.5, 3])
+def test_the_references_row_sums_add_in_float64_in_one_block_or_several(blocks):
+    """norm.wide_row_sums, under every statistic and parameter gradient of the reference:
+    float64 sums of float32 rows whether the rows fit one BLAS block or take several
+    (float32 sums of these rows are off by about 1e-7 of the column sums)."""
+    import math
+
+    from conv2d.reference import norm
+
+    channels = 16
+    rows = max(1, int(blocks * norm.WIDE_BLOCK // channels))
+    a = (np.random.default_rng(rows).standard_normal((rows, channels)) * 1e3 + 1e4).astype(np.float32)
+    got = norm.wide_row_sums(a)
+    exact = np.array([math.fsum(column) for column in a.astype(np.float64).T])
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, exact, rtol=1e-13)
+    got[...] = 0  # the result is the caller's: the next sum starts afresh
+    np.testing.assert_allclose(norm.wide_row_sums(a), exact, rtol=1e-13)

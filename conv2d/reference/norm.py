@@ -8,6 +8,8 @@ layer norm over `LAYER_AXES` (OH, OW, OC), one statistic per sample, shape (N,).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 BATCH_AXES = (0, 1, 2)
@@ -21,6 +23,14 @@ LAYER_AXES = (1, 2, 3)
 WIDE_BLOCK = 1 << 15
 
 
+@functools.lru_cache(maxsize=64)
+def _ones(n: int, dtype: np.dtype) -> np.ndarray:
+    # Read-only and shared: a layer sums arrays of the same few lengths every step.
+    ones = np.ones(n, dtype)
+    ones.flags.writeable = False
+    return ones
+
+
 def wide_row_sums(a: np.ndarray) -> np.ndarray:
     """The sums of an (M, C) array's rows, (C,), in float64 (at least): blocks of rows in
     order, each block's sum a product with a vector of ones (BLAS takes a transposed view
@@ -28,7 +38,9 @@ def wide_row_sums(a: np.ndarray) -> np.ndarray:
     m, c = a.shape
     dt = np.promote_types(a.dtype, np.float64)
     rows = max(1, WIDE_BLOCK // max(c, 1))
-    ones = np.ones(min(rows, m), dt)
+    ones = _ones(min(rows, m), dt)
+    if m <= rows:  # one block (a small layer's every sum)
+        return ones @ a.astype(dt, copy=False)
     total = np.zeros(c, dt)
     for i in range(0, m, rows):
         part = a[i:i + rows]
