@@ -8,6 +8,10 @@ one channel a thread).
     python scripts/breakdown_cuda.py [--shapes resnet_28,rl_small] [--dtypes bfloat16] [--bn 1]
                                      [--max-blocks 1056,264] [--unroll 4,8] [--wide 1,0]
                                      [--phase-two-unroll 4,16] [--phase-group 16,32] [--steps 20]
+                                     [--depthwise-kernel numba]
+
+`--depthwise-kernel numba` runs a depthwise shape's convolutions through the numba kernels
+(the backend option of that name).
 
 Row kernels also print the bandwidth they reach: the bytes they must move (z read; d_y
 read by the gradient passes; y or d_z written) over their time. Events between launches
@@ -31,13 +35,14 @@ from bench_shapes import bench_spec, inputs  # noqa: E402
 ROW_TRAFFIC = {"batch_norm_statistics": 1, "normalise_and_activate": 2, "norm_gradients": 2, "grad_pre_activations": 3}
 
 
-def measure(spec, steps: int, config) -> tuple[dict[str, float], float, int]:
+def measure(spec, steps: int, config, depthwise_kernel: str = "cudnn") -> tuple[dict[str, float], float, int]:
     from conv2d import Conv2d
     from conv2d.cuda import cudnn
     from conv2d.cuda.launch import Launch
     from conv2d.cuda.runtime import to_device_bits
 
-    layer = Conv2d(spec, "cuda", launch_config=config)
+    options = {"depthwise_kernel": depthwise_kernel} if depthwise_kernel != "cudnn" else {}
+    layer = Conv2d(spec, "cuda", launch_config=config, **options)
     layer.init_weights(np.random.default_rng(0))
     impl = layer.functions
     cuda, stream = impl.cuda, impl.stream
@@ -65,6 +70,9 @@ def measure(spec, steps: int, config) -> tuple[dict[str, float], float, int]:
 
     for (_, key), launch in impl.launches.items():
         launch.label = key.step
+    for plan in impl._plans.values():  # the numba depthwise convolutions keep launches of their own
+        for key, launch in getattr(plan.conv, "_launches", {}).items():
+            launch.label = key.step
 
     Launch.__call__ = lambda self, **args: timed(getattr(self, "label", "kernel"), lambda: launch_call(self, **args))
     cudnn.Execution.run = lambda self: timed(self.graph.op, lambda: execute_run(self))
@@ -119,6 +127,7 @@ def main() -> None:
     ap.add_argument("--phase-group", default="", help="comma list of LaunchConfig.phase_group values")
     ap.add_argument("--bounded", default="", help="comma list of LaunchConfig.row_bounded values (1/0)")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--depthwise-kernel", default="cudnn", choices=("cudnn", "numba"))
     args = ap.parse_args()
 
     from conv2d.cuda import kernels as K
@@ -139,7 +148,7 @@ def main() -> None:
             for dtype in args.dtypes.split(","):
                 for bn in args.bn.split(","):
                     spec = bench_spec(shape, bn == "1", dtype)
-                    pieces, graph_ms, P = measure(spec, args.steps, config)
+                    pieces, graph_ms, P = measure(spec, args.steps, config, args.depthwise_kernel)
                     item = 4 if dtype == "float32" else 2
                     values = int(np.prod(spec.output_shape))
                     parts = []
