@@ -8,7 +8,8 @@ processes, since the simulator is chosen when numba is imported):
 
 1. record: the tests run in the simulator with a hook on its kernel launch that notes,
    for each kernel launched, the factory that made it (`kernel_set`, `simple_set`,
-   `adam_kernel`, `sgd_kernel`, `padding_kernels`, `depthwise_kernels`, `weight_partials_by_channel`),
+   `adam_kernel`, `sgd_kernel`, `padding_kernels`, `depthwise_kernels`, `weight_partials_by_channel`,
+   `fast_depthwise_kernels`),
    that factory's arguments, where in what it returned the
    kernel sits, and the numba types of the launch's arguments;
 2. compile: without the simulator, each noted kernel is made again by its factory and
@@ -51,10 +52,12 @@ FACTORIES = {
     "padding_kernels": ("conv2d.cuda.kernels.padding", "padding_kernels"),
     "depthwise_kernels": ("conv2d.cuda.kernels.depthwise", "depthwise_kernels"),
     "weight_partials_by_channel": ("conv2d.cuda.kernels.depthwise", "weight_partials_by_channel"),
+    "fast_depthwise_kernels": ("conv2d.cuda.kernels.depthwise", "fast_depthwise_kernels"),
 }
 # Other modules that bind a factory under its own name at import (patched alike).
 ALIASES = {"kernel_set": ["conv2d.cuda.kernels"], "padding_kernels": ["conv2d.cuda.functional"],
-           "depthwise_kernels": ["conv2d.cuda.depthwise"], "weight_partials_by_channel": ["conv2d.cuda.depthwise"]}
+           "depthwise_kernels": ["conv2d.cuda.depthwise"], "weight_partials_by_channel": ["conv2d.cuda.depthwise"],
+           "fast_depthwise_kernels": ["conv2d.cuda.depthwise"]}
 
 
 def _kernels_in(made, path=()):

@@ -464,9 +464,10 @@ def test_the_numba_depthwise_convolutions_match_the_reference(case, dtype):
 
 
 @pytest.mark.parametrize("case", list(DEPTHWISE_CASES))
-def test_the_fast_depthwise_weight_gradient_is_bitwise_the_simple_one(case):
-    """kernels/depthwise.py's fast first phase (a thread a channel, the taps in
-    registers) adds the simple kernel's products in the simple kernel's order."""
+def test_the_fast_depthwise_kernels_are_bitwise_the_simple_ones(case):
+    """kernels/depthwise.py's fast kernels (the layer's sizes compile-time constants; the
+    weight gradient's first phase a thread a channel with the taps in registers) add the
+    simple kernels' products in the simple kernels' order: y, d_x and d_w bitwise theirs."""
     from conv2d.cuda.depthwise import DepthwiseConvolutions
     from conv2d.cuda.launch import Launcher
     from conv2d.cuda.plans import convolution_spec
@@ -475,14 +476,23 @@ def test_the_fast_depthwise_weight_gradient_is_bitwise_the_simple_one(case):
                                                 out_channels=4, kernel=3, padding=1, groups=4, dtype="float32"),
                                          **DEPTHWISE_CASES[case]}))
     x, d_z = (cuda.to_device(a.reshape(-1)) for a in random_inputs(spec))
+    rng = np.random.default_rng(1)
+    w = cuda.to_device(rng.standard_normal(math.prod(spec.weight_shape)).astype(np.float32))
+    b = cuda.to_device(rng.standard_normal(spec.out_channels).astype(np.float32))
     stream = cuda.stream()
-    grads = {}
+    results = {}
     for simple in (True, False):
+        conv = DepthwiseConvolutions(cuda, spec, Launcher(lambda: stream, False), simple)
+        y = cuda.device_array(math.prod(spec.output_shape), np.float32)
+        d_x = cuda.device_array(math.prod(spec.input_shape), np.float32)
         d_w = cuda.device_array(math.prod(spec.weight_shape), np.float32)
-        DepthwiseConvolutions(cuda, spec, Launcher(lambda: stream, False), simple).backward_filter(x, d_z, d_w)
-        grads[simple] = d_w.copy_to_host(stream=stream)
+        conv.forward(x, w, b, y, relu=True)
+        conv.backward_data(d_z, w, d_x)
+        conv.backward_filter(x, d_z, d_w)
+        results[simple] = [a.copy_to_host(stream=stream) for a in (y, d_x, d_w)]
     stream.synchronize()
-    np.testing.assert_array_equal(grads[False].view(np.uint32), grads[True].view(np.uint32))
+    for name, fast, simple in zip(("y", "d_x", "d_w"), results[False], results[True]):
+        np.testing.assert_array_equal(fast.view(np.uint32), simple.view(np.uint32), err_msg=name)
 
 
 def test_the_numba_depthwise_convolutions_refuse_a_layer_that_is_not_depthwise():

@@ -7,10 +7,10 @@ they are captured in CUDA graphs like the other kernels.
 cuDNN's depthwise graphs measured 1.4-2.6x PyTorch's training step on the MobileNetV2
 shape (docs/bench_cuda.md). The forward and the input gradient take one thread a value
 (as PyTorch's own depthwise kernels); the weight gradient's first phase one thread a
-channel (kernels/depthwise.py's fast kernel; the simple one with kernels="simple").
-On an H100 this path measured about 10.3 ms a MobileNetV2 step, 3-4x cuDNN's graph
-(docs/bench_cuda.md), so cuDNN stays the default; which kernel takes the time is not
-measured yet.
+channel. The fast kernels (the default) take the layer's sizes as compile-time constants;
+`kernels="simple"` runs the simple ones, which take them as arguments: the same sums.
+On an H100 this path measured about 10.3 ms a MobileNetV2 step with the runtime sizes,
+3-4x cuDNN's graph (docs/bench_cuda.md), so cuDNN stays the default.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from conv2d.cuda import kernels as K
-from conv2d.cuda.kernels.depthwise import depthwise_kernels, weight_partials_by_channel
+from conv2d.cuda.kernels.depthwise import (depthwise_kernels, fast_depthwise_kernels, geometry_key,
+                                           weight_partials_by_channel)
 from conv2d.cuda.kernels.layout import window_geometry
 from conv2d.cuda.launch import Launcher, LaunchKey
 from conv2d.spec import LayerSpec
@@ -38,18 +39,28 @@ def is_depthwise(spec: LayerSpec) -> bool:
 class DepthwiseConvolutions:
     """The convolutions of one input shape (`spec`, zero padding: cuDNN's convolution
     spec; a depthwise one, which Functions checks), launched by `launch` (the layer's
-    Launcher); the weight gradient's first phase by the fast kernel (a thread a channel),
-    or with `simple` by the simple one (a thread a tap and channel): the same partials."""
+    Launcher), by the fast kernels (the sizes compile-time constants, one compilation a
+    geometry; the weight gradient's first phase a thread a channel), or with `simple` by
+    the simple ones (the weight gradient's a thread a tap and channel): the same sums."""
 
     def __init__(self, cuda: Any, spec: LayerSpec, launch: Launcher, simple: bool = False) -> None:
         self.spec, self._launch = spec, launch
-        self._kernels = depthwise_kernels(spec.dtype.value)
         n, h, w, c = spec.input_shape
         _, oh, ow, oc = spec.output_shape
         kh, kw = spec.kernel
         self._simple = simple
-        self._weight_partials = self._kernels[2] if simple else weight_partials_by_channel(spec.dtype.value, kh, kw)
         self._geometry = {**window_geometry(spec), "M": oc // c}
+        simple_kernels = depthwise_kernels(spec.dtype.value)
+        if simple:
+            self._kernels = simple_kernels[:2]
+            self._weight_partials = simple_kernels[2]
+            self._sizes_given = self._geometry  # the simple kernels take the sizes as arguments
+        else:  # the sizes are the fast kernels' constants
+            key = geometry_key(self._geometry)
+            self._kernels = fast_depthwise_kernels(spec.dtype.value, key)
+            self._weight_partials = weight_partials_by_channel(spec.dtype.value, key)
+            self._sizes_given = {}
+        self._weight_sum = simple_kernels[3]
         self._rows = n * oh * ow
         self._P = max(1, min(MAX_PARTIAL_BLOCKS, self._rows // 64))
         self._taps = oc * kh * kw
@@ -68,23 +79,21 @@ class DepthwiseConvolutions:
     def forward(self, x: Any, w: Any, b: Any, y: Any, relu: bool = False) -> None:
         self._launch(self._launches, LaunchKey("depthwise_forward", fixed=(("relu", relu),)), self._kernels[0],
                      *K.elementwise_grid(self._sizes["y"]),
-                     {**self._geometry, "has_bias": b is not None, "relu": relu},
+                     {**self._sizes_given, "has_bias": b is not None, "relu": relu},
                      x=x, w=w, b=self._dummy if b is None else b, y=y)
 
     def backward_data(self, d_z: Any, w: Any, d_x: Any) -> None:
         self._launch(self._launches, LaunchKey("depthwise_backward_data"), self._kernels[1],
-                     *K.elementwise_grid(self._sizes["x"]), self._geometry, d_z=d_z, w=w, d_x=d_x)
+                     *K.elementwise_grid(self._sizes["x"]), self._sizes_given, d_z=d_z, w=w, d_x=d_x)
 
     def backward_filter(self, x: Any, d_z: Any, d_w: Any) -> None:
-        fixed = {**self._geometry, "partials": self._partials, "ROWS": self._rows, "P": self._P}
-        if not self._simple:  # the taps are the kernel's constants
-            del fixed["KH"], fixed["KW"]
+        fixed = {**self._sizes_given, "partials": self._partials, "ROWS": self._rows, "P": self._P}
         # The fast kernel: a thread a channel, every channel in one pass of the block.
         block = K.WARP * 4 if self._simple else min(1024, -(-self.spec.out_channels // K.WARP) * K.WARP)
         self._launch(self._launches, LaunchKey("depthwise_weight_partials"), self._weight_partials, self._P,
                      block, fixed, x=x, d_z=d_z)
         g = self._geometry
-        self._launch(self._launches, LaunchKey("depthwise_weight_sum"), self._kernels[3],
+        self._launch(self._launches, LaunchKey("depthwise_weight_sum"), self._weight_sum,
                      *K.elementwise_grid(self._taps),
                      {"partials": self._partials, "P": self._P, "OC": g["OC"], "KH": g["KH"], "KW": g["KW"]},
                      d_w=d_w)

@@ -8,11 +8,19 @@ x (N, H, W, C), w (OC, KH, KW, 1) with OC = C * M (the channel multiplier M: out
 channel oc reads input channel oc // M), y and d_z (N, OH, OW, OC); flat, NHWC, in the
 storage format; sums in float32.
 
-`weight_partials_by_channel` is the fast phase one of the weight gradient: one thread an
-output channel, its KH*KW sums kept in registers (KH and KW compile-time constants), d_z
-loaded once a row where the simple kernel (one thread a tap and channel) loads it KH*KW
-times. It adds the same products in the same order (rows p, p + P, ... for each tap),
-so its partials are bitwise the simple kernel's (tests/test_cuda_kernels.py).
+The fast kernels take a layer's geometry (`window_geometry`'s sizes and M, without N) as
+compile-time constants, one compilation a geometry: the simple kernels divide 64-bit
+indices by runtime sizes (four divisions a value to place it, and four a tap in the
+input gradient's gather), and a 64-bit division by a runtime value is a long
+instruction sequence on the GPU where one by a constant is a multiply and shifts.
+- `fast_depthwise_kernels`: the forward and the input gradient, one thread a value as
+  the simple ones, the same sums in the same order: bitwise theirs.
+- `weight_partials_by_channel`: the fast phase one of the weight gradient, one thread an
+  output channel, its KH*KW sums kept in registers, d_z loaded once a row where the
+  simple kernel (one thread a tap and channel) loads it KH*KW times. It adds the same
+  products in the same order (rows p, p + P, ... for each tap), so its partials are
+  bitwise the simple kernel's.
+tests/test_cuda_kernels.py checks both bitwise against the simple kernels.
 """
 
 from __future__ import annotations
@@ -111,17 +119,86 @@ def depthwise_kernels(storage: str) -> tuple:
     return forward, backward_data, backward_filter_partials, backward_filter_sum
 
 
+GEOMETRY = ("H", "W", "C", "OH", "OW", "OC", "KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "M")
+
+
+def geometry_key(geometry: dict) -> tuple:
+    """The fast kernels' cache key of a layer's sizes (window_geometry's and M)."""
+    return tuple(int(geometry[k]) for k in GEOMETRY)
+
+
 @functools.lru_cache(maxsize=None)
-def weight_partials_by_channel(storage: str, KH: int, KW: int) -> object:
-    """The fast phase one of d_w for a KH x KW depthwise kernel (see the module docstring):
-    block p, thread oc (every blockDim-th channel) sums the rows (n, oh, ow) p, p + P, ...
-    in order into its KH*KW taps, written to partials[p, tap * OC + oc] as the simple
-    kernel's."""
+def fast_depthwise_kernels(storage: str, geometry: tuple) -> tuple:
+    """(forward, backward_data) with `geometry` (geometry_key's tuple) compile-time
+    constants; the simple kernels' arguments but the sizes."""
+    io = storage_io(storage)
+    load, store = io.load, io.store
+    H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M = geometry
+
+    @cuda.jit
+    def forward(x, w, b, has_bias, relu, y):
+        """The simple forward: one thread an output value, taps in order (kh, then kw)."""
+        for i in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+            oc = i % OC
+            r = i // OC
+            ow = r % OW
+            r //= OW
+            oh = r % OH
+            n = r // OH
+            c = oc // M
+            acc = ZERO
+            for kh in range(KH):
+                ih = oh * SH - PH + kh * DH
+                if ih >= 0 and ih < H:
+                    for kw in range(KW):
+                        iw = ow * SW - PW + kw * DW
+                        if iw >= 0 and iw < W:
+                            acc += load(x, ((n * H + ih) * W + iw) * C + c) * load(w, (oc * KH + kh) * KW + kw)
+            if has_bias:
+                acc += load(b, oc)
+            if relu and acc < ZERO:
+                acc = ZERO
+            store(y, i, acc)
+
+    @cuda.jit
+    def backward_data(d_z, w, d_x):
+        """The simple backward_data: one thread an input value, a gather in order (m, kh, kw)."""
+        for i in range(cuda.grid(1), d_x.size, cuda.gridsize(1)):
+            c = i % C
+            r = i // C
+            iw = r % W
+            r //= W
+            ih = r % H
+            n = r // H
+            acc = ZERO
+            for m in range(M):
+                oc = c * M + m
+                for kh in range(KH):
+                    th = ih + PH - kh * DH
+                    if th >= 0 and th % SH == 0 and th // SH < OH:
+                        oh = th // SH
+                        for kw in range(KW):
+                            tw = iw + PW - kw * DW
+                            if tw >= 0 and tw % SW == 0 and tw // SW < OW:
+                                ow = tw // SW
+                                acc += load(d_z, ((n * OH + oh) * OW + ow) * OC + oc) * load(w, (oc * KH + kh) * KW + kw)
+            store(d_x, i, acc)
+
+    return forward, backward_data
+
+
+@functools.lru_cache(maxsize=None)
+def weight_partials_by_channel(storage: str, geometry: tuple) -> object:
+    """The fast phase one of d_w (see the module docstring) with `geometry` (geometry_key's
+    tuple) compile-time constants: block p, thread oc (every blockDim-th channel) sums the
+    rows (n, oh, ow) p, p + P, ... in order into its KH*KW taps, written to partials[p,
+    tap * OC + oc] as the simple kernel's."""
     load = storage_io(storage).load
+    H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M = geometry
     TAPS = KH * KW
 
     @cuda.jit
-    def weight_partials(x, d_z, partials, ROWS, P, H, W, C, OH, OW, OC, SH, SW, PH, PW, DH, DW, M):
+    def weight_partials(x, d_z, partials, ROWS, P):
         p = cuda.blockIdx.x
         acc = cuda.local.array(TAPS, dtype=np.float32)
         for oc in range(cuda.threadIdx.x, OC, cuda.blockDim.x):
