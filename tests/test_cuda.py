@@ -909,13 +909,43 @@ def test_the_module_on_the_gpu_runs_float32_in_tf32_exactly_when_pytorch_would()
     for flag in (True, False):
         with torch.backends.cudnn.flags(enabled=True, allow_tf32=flag):
             following(x), strict(x)
-        assert following._functions[(x.device, x.dtype, flag)][0].allow_tf32 is flag
-    assert [key[2] for key in strict._functions] == [False]
-    assert strict._functions[(x.device, x.dtype, False)][0].allow_tf32 is False
+        assert following._functions[(x.device, x.dtype, (flag, False))][0].allow_tf32 is flag
+    assert [key[2] for key in strict._functions] == [(False, False)]
+    assert strict._functions[(x.device, x.dtype, (False, False))][0].allow_tf32 is False
     half = Conv2dNormActivation(5, 6, 3, padding=1, device="cuda", dtype=torch.bfloat16)
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
         half(x.bfloat16())
-    assert [key[2] for key in half._functions] == [False]  # TF32 is a float32 matter
+    assert [key[2] for key in half._functions] == [(False, False)]  # TF32 is a float32 matter
+
+
+def test_the_module_on_the_gpu_times_cudnn_plans_exactly_when_pytorch_benchmarks_its_own():
+    """Read at each call: torch.backends.cudnn.benchmark, unless backend_options gives
+    autotune."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from conv2d.torch import Conv2dNormActivation
+
+    following = Conv2dNormActivation(5, 6, 3, padding=1, device="cuda")
+    fixed = Conv2dNormActivation(5, 6, 3, padding=1, device="cuda", backend_options={"autotune": False})
+    x = torch.randn(2, 5, 8, 8, device="cuda").contiguous(memory_format=torch.channels_last)
+    for flag in (True, False):
+        with torch.backends.cudnn.flags(enabled=True, benchmark=flag, allow_tf32=False):
+            following(x), fixed(x)
+        assert following._functions[(x.device, x.dtype, (False, flag))][0].autotune is flag
+    assert [key[2] for key in fixed._functions] == [(False, False)]
+
+
+def test_compiling_the_module_on_the_gpu_breaks_no_graph():
+    """The module reads PyTorch's TF32 and benchmark switches at each call; under
+    torch.compile those reads must trace (no graph break at the module)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from conv2d.torch import Conv2dNormActivation
+
+    m = Conv2dNormActivation(5, 6, 3, padding=1, device="cuda")
+    x = torch.randn(2, 5, 8, 8, device="cuda").contiguous(memory_format=torch.channels_last)
+    for benchmark in (False, True):
+        torch._dynamo.reset()
+        with torch.backends.cudnn.flags(enabled=True, benchmark=benchmark):
+            assert torch._dynamo.explain(m)(x).graph_break_count == 0
 
 
 def test_swap_on_the_gpu_converts_a_depthwise_separable_block_and_trains_as_pytorch():
@@ -1244,7 +1274,7 @@ def test_the_ops_on_the_gpu_keep_no_tensor_of_their_calls():
     running = [m.norm.running_mean.clone(), m.norm.running_var.clone()]  # as functionalisation passes them
     y = ops.Conv2dFunction.apply(
         x, m.conv.weight, m.conv.bias, m.norm.weight, m.norm.bias, *running, True, True, True,
-        m._op_keys[False])
+        m._op_keys[(False, False)])
     y.sum().backward()
     made = [weakref.ref(t) for t in (x, y, x.grad, *running)]
     del x, y, running

@@ -175,7 +175,7 @@ def test_the_ops_make_their_functions_from_the_key_alone():
     from conv2d.torch import ops
 
     m = module()
-    key = m._op_keys[False]
+    key = m._op_keys[(False, False)]
     ops._FUNCTIONS.pop(key, None)
     made = ops.functions(key)
     assert made.spec == m.spec and made is ops.functions(key)

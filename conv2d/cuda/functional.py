@@ -91,7 +91,7 @@ class Functions:
         own_convolutions = convolutions is None and depthwise_kernel == "numba"
         cuda = numba_cuda() if convolutions is not None or (own_convolutions and simulating()) else require_gpu()
         self.cuda, self.spec = cuda, spec
-        self.allow_tf32 = allow_tf32
+        self.allow_tf32, self.autotune = allow_tf32, autotune
         own = as_stream(cuda, stream)
         self.relu_fusion = spec.normalization is Normalization.NONE and spec.activation is Activation.RELU
         handle = None

@@ -33,6 +33,9 @@ from conv2d.torch.graphs import COUNTS, CallGraphs
 _DTYPES = {torch.float64: DType.FLOAT64, torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16,
            torch.bfloat16: DType.BFLOAT16}
 _SIXTEEN = (torch.float16, torch.bfloat16)
+# A call's (allow_tf32, autotune): Conv2dNormActivation._choice.
+CHOICES = tuple((tf32, autotune) for tf32 in (False, True) for autotune in (False, True))
+NO_CHOICE = (False, False)
 _PLAIN = (torch.Tensor, nn.Parameter)  # not subclasses (DTensor, FakeTensor, ...): those take the ops
 
 
@@ -133,7 +136,10 @@ class Conv2dNormActivation(nn.Module):
     Float32 convolutions on CUDA run in TF32 exactly when PyTorch would run its own
     (`torch_uses_tf32`: `torch.backends.cudnn.allow_tf32` or the `fp32_precision`
     settings, read at each call; cuDNN's deterministic plans either way), unless
-    `backend_options` gives `allow_tf32`.
+    `backend_options` gives `allow_tf32`. Likewise the CUDA backend times cuDNN's
+    deterministic plans for each new shape and keeps the fastest (`autotune`) exactly
+    when `torch.backends.cudnn.benchmark` is on, as PyTorch does for its own, unless
+    `backend_options` gives `autotune`.
     `backend_options`: a dict of the CUDA backend's options (e.g. {"allow_tf32": True};
     `conv2d.backend.OPTIONS["cuda"]` lists them), checked here; CPU tensors run on the
     reference backend, which has none. `batch_invariant`: LayerSpec's (a sample's results
@@ -250,46 +256,51 @@ class Conv2dNormActivation(nn.Module):
                 total[k] += v
         return total
 
-    def _tf32(self, x: torch.Tensor) -> bool:
-        """Whether this call's float32 convolutions may use TF32: the backend option
-        `allow_tf32` if given, else what PyTorch would do for its own convolutions now
-        (`torch_uses_tf32`); False off CUDA and for other dtypes."""
-        if not x.is_cuda or x.dtype != torch.float32:
-            return False
+    def _choice(self, x: torch.Tensor) -> tuple[bool, bool]:
+        """(allow_tf32, autotune) of this call's convolutions, as PyTorch would choose
+        for its own now unless `backend_options` says: TF32 for float32 where
+        `torch_uses_tf32()`, plans timed where `torch.backends.cudnn.benchmark`; (False,
+        False) off CUDA, and TF32 False for other dtypes."""
+        if not x.is_cuda:
+            return NO_CHOICE
         given = self.backend_options.get("allow_tf32")
-        return given if given is not None else torch_uses_tf32()
+        tf32 = x.dtype == torch.float32 and (given if given is not None else torch_uses_tf32())
+        given = self.backend_options.get("autotune")
+        return bool(tf32), bool(given if given is not None else torch.backends.cudnn.benchmark)
 
-    def _options(self, backend: str, tf32: bool) -> dict[str, Any]:
-        return {**self.backend_options, "allow_tf32": tf32} if backend == "cuda" else {}
+    def _options(self, backend: str, choice: tuple[bool, bool]) -> dict[str, Any]:
+        if backend != "cuda":
+            return {}
+        return {**self.backend_options, "allow_tf32": choice[0], "autotune": choice[1]}
 
-    def _functions_for(self, x: torch.Tensor, tf32: bool) -> tuple[Any, Any]:
+    def _functions_for(self, x: torch.Tensor, choice: tuple[bool, bool]) -> tuple[Any, Any]:
         """(the backend's functions, their CallGraphs or None) for x's device and dtype
-        and the TF32 choice (made once each), for the eager path."""
-        key = (x.device, x.dtype, tf32)
+        and the (allow_tf32, autotune) choice (made once each), for the eager path."""
+        key = (x.device, x.dtype, choice)
         found = self._functions.get(key)
         if found is not None:
             return found
         backend = "cuda" if x.is_cuda else "reference"
         spec = self._spec_for(_DTYPES[x.dtype])
         if backend == "cuda":
-            fn, graphs = _cuda_functions(spec, x.device, self._options(backend, tf32))
+            fn, graphs = _cuda_functions(spec, x.device, self._options(backend, choice))
         else:
             fn, graphs = make_functions(backend, spec), None
-        op_key = self._op_keys[tf32]
+        op_key = self._op_keys[choice]
         if op_key.startswith("object:"):  # options that are no JSON value: these functions
             ops.register(op_key, fn)
         found = self._functions[key] = (fn, graphs)
         return found
 
     def _refresh_op_key(self) -> None:
-        """The ops' names for the functions of the module's device, dtype and spec, strict
-        and with TF32 (the ops make them from it), computed here rather than in a traced
+        """The ops' names for the functions of the module's device, dtype and spec, for
+        each (allow_tf32, autotune) choice (the ops make them from it), computed here rather than in a traced
         forward: torch.compile cannot trace the JSON it is made of without a graph break."""
         w = self.conv.weight
         backend = "cuda" if w.is_cuda else "reference"
         dtype = _DTYPES.get(w.dtype, DType.FLOAT32)  # another dtype is refused at the call
-        self._op_keys = {tf32: ops.key_for(backend, self._spec_for(dtype), w.device, self._options(backend, tf32))
-                         for tf32 in (False, True)}
+        self._op_keys = {choice: ops.key_for(backend, self._spec_for(dtype), w.device, self._options(backend, choice))
+                         for choice in CHOICES}
 
     def fold_batch_norm(self) -> "Conv2dNormActivation":
         """A new module for inference, in eval mode, on the same device, dtype and layout:
@@ -393,7 +404,7 @@ class Conv2dNormActivation(nn.Module):
             kept = running_mean, running_var
             running_mean, running_var = norm.batch_buffers()
         if type(x) is torch.Tensor and type(weight) in _PLAIN and not torch.compiler.is_compiling():
-            fn, graphs = self._functions_for(x, self._tf32(x))
+            fn, graphs = self._functions_for(x, self._choice(x))
             if weight.is_contiguous(memory_format=torch.channels_last):
                 params, running, ptrs = self._views.get(weight, bias, gamma, beta, running_mean, running_var)
             else:
@@ -416,7 +427,7 @@ class Conv2dNormActivation(nn.Module):
             w = weight.contiguous(memory_format=torch.channels_last)
             y = ops.Conv2dFunction.apply(x, w, bias, gamma, beta, running_mean, running_var, training,
                                          self._spec.batch_statistics(training), nchw,
-                                         self._op_keys[self._tf32(x)])
+                                         self._op_keys[self._choice(x)])
             return self._counted(y, running_mean, training, kept if cumulative else None)
         return self._counted(y.permute(0, 3, 1, 2) if nchw else y, running_mean, training,
                              kept if cumulative else None)
