@@ -38,46 +38,66 @@ cuda = numba_cuda()
 
 
 @functools.lru_cache(maxsize=None)
+def _value_functions(storage: str) -> tuple:
+    """(output_value, input_gradient_value): the one-thread-a-value sums that the simple
+    kernels run with the sizes as arguments and the fast ones with them as constants (the
+    same code, inlined, so the same sums)."""
+    load = storage_io(storage).load
+    window_sum = window_sum_function(storage)
+
+    @cuda.jit(device=True, inline=True)
+    def output_value(x, w, b, has_bias, relu, i, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M):
+        # y[i] = conv(x, w) (+ b) (then ReLU with `relu`), taps in order (kh, then kw).
+        n, oh, ow, oc = nhwc_position(i, OH, OW, OC)
+        acc = window_sum(x, w, n, oh, ow, oc, H, W, C, KH, KW, SH, SW, PH, PW, DH, DW, 1, M)
+        if has_bias:
+            acc += load(b, oc)
+        if relu and acc < ZERO:
+            acc = ZERO
+        return acc
+
+    @cuda.jit(device=True, inline=True)
+    def input_gradient_value(d_z, w, i, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M):
+        # d_x[i] = the sum over the M output channels of its channel and the taps whose
+        # window covers it of d_z * w: a gather (no atomics), in order (m, kh, kw).
+        n, ih, iw, c = nhwc_position(i, H, W, C)
+        acc = ZERO
+        for m in range(M):
+            oc = c * M + m
+            for kh in range(KH):
+                th = ih + PH - kh * DH
+                if th >= 0 and th % SH == 0 and th // SH < OH:
+                    oh = th // SH
+                    for kw in range(KW):
+                        tw = iw + PW - kw * DW
+                        if tw >= 0 and tw % SW == 0 and tw // SW < OW:
+                            ow = tw // SW
+                            acc += load(d_z, ((n * OH + oh) * OW + ow) * OC + oc) * load(w, (oc * KH + kh) * KW + kw)
+        return acc
+
+    return output_value, input_gradient_value
+
+
+@functools.lru_cache(maxsize=None)
 def depthwise_kernels(storage: str) -> tuple:
     """(forward, backward_data, backward_filter_partials, backward_filter_sum) for
-    storage format `storage`."""
+    storage format `storage`: the simple kernels, the sizes as arguments."""
     io = storage_io(storage)
     load, store = io.load, io.store
-    window_sum = window_sum_function(storage)
+    output_value, input_gradient_value = _value_functions(storage)
 
     @cuda.jit
     def forward(x, w, b, has_bias, relu, y, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M):
-        """y = conv(x, w) (+ b) (then ReLU with `relu`): one thread an output value, taps
-        in order (kh, then kw)."""
+        """y = conv(x, w) (+ b) (then ReLU with `relu`): one thread an output value."""
         for i in range(cuda.grid(1), y.size, cuda.gridsize(1)):
-            n, oh, ow, oc = nhwc_position(i, OH, OW, OC)
-            acc = window_sum(x, w, n, oh, ow, oc, H, W, C, KH, KW, SH, SW, PH, PW, DH, DW, 1, M)
-            if has_bias:
-                acc += load(b, oc)
-            if relu and acc < ZERO:
-                acc = ZERO
-            store(y, i, acc)
+            store(y, i, output_value(x, w, b, has_bias, relu, i, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH,
+                                     DW, M))
 
     @cuda.jit
     def backward_data(d_z, w, d_x, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M):
-        """d_x[n, ih, iw, c] = sum over the M output channels of c and the taps whose
-        window covers (ih, iw) of d_z * w: one thread an input value (a gather, no
-        atomics), in order (m, kh, kw)."""
+        """d_x = the transpose of the forward applied to d_z: one thread an input value."""
         for i in range(cuda.grid(1), d_x.size, cuda.gridsize(1)):
-            n, ih, iw, c = nhwc_position(i, H, W, C)
-            acc = ZERO
-            for m in range(M):
-                oc = c * M + m
-                for kh in range(KH):
-                    th = ih + PH - kh * DH
-                    if th >= 0 and th % SH == 0 and th // SH < OH:
-                        oh = th // SH
-                        for kw in range(KW):
-                            tw = iw + PW - kw * DW
-                            if tw >= 0 and tw % SW == 0 and tw // SW < OW:
-                                ow = tw // SW
-                                acc += load(d_z, ((n * OH + oh) * OW + ow) * OC + oc) * load(w, (oc * KH + kh) * KW + kw)
-            store(d_x, i, acc)
+            store(d_x, i, input_gradient_value(d_z, w, i, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M))
 
     @cuda.jit
     def backward_filter_partials(x, d_z, partials, ROWS, P, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW,
@@ -131,58 +151,20 @@ def geometry_key(geometry: dict) -> tuple:
 def fast_depthwise_kernels(storage: str, geometry: tuple) -> tuple:
     """(forward, backward_data) with `geometry` (geometry_key's tuple) compile-time
     constants; the simple kernels' arguments but the sizes."""
-    io = storage_io(storage)
-    load, store = io.load, io.store
+    store = storage_io(storage).store
+    output_value, input_gradient_value = _value_functions(storage)
     H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M = geometry
 
     @cuda.jit
     def forward(x, w, b, has_bias, relu, y):
-        """The simple forward: one thread an output value, taps in order (kh, then kw)."""
         for i in range(cuda.grid(1), y.size, cuda.gridsize(1)):
-            oc = i % OC
-            r = i // OC
-            ow = r % OW
-            r //= OW
-            oh = r % OH
-            n = r // OH
-            c = oc // M
-            acc = ZERO
-            for kh in range(KH):
-                ih = oh * SH - PH + kh * DH
-                if ih >= 0 and ih < H:
-                    for kw in range(KW):
-                        iw = ow * SW - PW + kw * DW
-                        if iw >= 0 and iw < W:
-                            acc += load(x, ((n * H + ih) * W + iw) * C + c) * load(w, (oc * KH + kh) * KW + kw)
-            if has_bias:
-                acc += load(b, oc)
-            if relu and acc < ZERO:
-                acc = ZERO
-            store(y, i, acc)
+            store(y, i, output_value(x, w, b, has_bias, relu, i, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH,
+                                     DW, M))
 
     @cuda.jit
     def backward_data(d_z, w, d_x):
-        """The simple backward_data: one thread an input value, a gather in order (m, kh, kw)."""
         for i in range(cuda.grid(1), d_x.size, cuda.gridsize(1)):
-            c = i % C
-            r = i // C
-            iw = r % W
-            r //= W
-            ih = r % H
-            n = r // H
-            acc = ZERO
-            for m in range(M):
-                oc = c * M + m
-                for kh in range(KH):
-                    th = ih + PH - kh * DH
-                    if th >= 0 and th % SH == 0 and th // SH < OH:
-                        oh = th // SH
-                        for kw in range(KW):
-                            tw = iw + PW - kw * DW
-                            if tw >= 0 and tw % SW == 0 and tw // SW < OW:
-                                ow = tw // SW
-                                acc += load(d_z, ((n * OH + oh) * OW + ow) * OC + oc) * load(w, (oc * KH + kh) * KW + kw)
-            store(d_x, i, acc)
+            store(d_x, i, input_gradient_value(d_z, w, i, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M))
 
     return forward, backward_data
 
