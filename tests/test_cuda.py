@@ -775,6 +775,31 @@ def test_caller_owned_torch_parameters_are_read_in_place_and_gradients_come_back
         np.testing.assert_array_equal(to_host(running[k]), layer.state_dict()[k], err_msg=k)
 
 
+def test_a_torch_parameter_whose_memory_is_replaced_in_place_is_read_at_its_new_address():
+    """The CUDA backend views the caller's dicts once per set of arrays; `t.data = other`
+    keeps the tensor object but moves its memory, and the next call must read (and
+    write) the new memory, not the freed one."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from conv2d.state import RUNNING
+
+    spec = spec_for("relu", "batch_norm", batch_size=2)
+    layer = make_layer(spec, backend="cuda")
+    state = layer.state_dict()
+    params = {k: torch.from_numpy(v).cuda() for k, v in state.items() if k not in RUNNING}
+    x, _ = random_inputs(spec)
+    xt = torch.from_numpy(x).cuda()
+    fn = layer.functions
+    before = to_host(fn.evaluate(params, xt, {k: torch.from_numpy(v).cuda() for k, v in state.items()
+                                              if k in RUNNING}))
+    running = {k: torch.from_numpy(v).cuda() for k, v in state.items() if k in RUNNING}
+    fn.evaluate(params, xt, running)
+    params["weights"].data = -params["weights"].clone()  # the same object, other memory
+    after = to_host(fn.evaluate(params, xt, running))
+    layer.load_state_dict({**state, "weights": -state["weights"]})
+    np.testing.assert_array_equal(after, to_host(layer.evaluate(x)))
+    assert not np.array_equal(after, before)
+
+
 def test_a_frozen_layer_refuses_a_backward_of_an_overwritten_forward():
     from numba import cuda
 

@@ -54,6 +54,15 @@ def check_options(spec: LayerSpec, allow_tf32: bool, autotune: bool, fast_paths:
         raise ValueError(f"max_shapes: expected an int >= 1, got {max_shapes!r}")
 
 
+def _memory(a: Any) -> Any:
+    """What a view of the array object `a` depends on that can change under the same
+    object: a torch tensor's address and shape (`t.data = ...`, `set_`, `resize_`), so a
+    cached view is not used over freed memory; None for the others (numba, CuPy and JAX
+    arrays keep their memory for life)."""
+    ptr = getattr(a, "data_ptr", None)
+    return None if ptr is None else (ptr(), a.shape)
+
+
 class Arguments:
     """Checks and views of one layer's arguments (spec `spec`, device arrays of numba
     `cuda`, storage dtype `storage`); `frozen()` says whether host arrays are refused
@@ -107,21 +116,24 @@ class Arguments:
 
     def _arrays(self, group: str, arrays: Mapping[str, Any] | None, names: list[str]) -> dict[str, Any]:
         """Flat device views of the caller's arrays `names` (state layout shapes, or flat),
-        checked once per set of array objects."""
+        checked once per set of array objects over the same memory."""
         last = self._views.get(group)
-        if last is not None and last[0] is arrays and all(arrays.get(k) is a for k, a in last[1]):
+        if last is not None and last[0] is arrays and all(arrays.get(k) is a and _memory(a) == m
+                                                           for k, a, m in last[1]):
             return last[2]  # the same dict of the same arrays as last time (a layer's own)
         self._check_keys(group, arrays, names)
-        key = (group, *(id(arrays[k]) for k in names))
+        held = [(k, arrays[k], _memory(arrays[k])) for k in names]
+        key = (group, *(id(a) for _, a, _ in held))
         found = self._views.get(key)
-        if found is not None:
-            self._views[group] = (arrays, [(k, arrays[k]) for k in names], found[1])
+        if found is not None and all(m == m_then for (_, _, m), m_then in zip(held, found[0][1])):
+            self._views[group] = (arrays, held, found[1])
             return found[1]
         views = self.flat_views(group, arrays, names)
         if len(self._views) >= 32:
             self._views.clear()
-        self._views[key] = ([arrays[k] for k in names], views)  # the originals pin the ids
-        self._views[group] = (arrays, [(k, arrays[k]) for k in names], views)
+        # The originals pin the ids; their memory then is what a later hit must still have.
+        self._views[key] = (([a for _, a, _ in held], [m for _, _, m in held]), views)
+        self._views[group] = (arrays, held, views)
         return views
 
     @staticmethod
