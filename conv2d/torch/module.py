@@ -294,8 +294,9 @@ class Conv2dNormActivation(nn.Module):
 
     def _refresh_op_key(self) -> None:
         """The ops' names for the functions of the module's device, dtype and spec, for
-        each (allow_tf32, autotune) choice (the ops make them from it), computed here rather than in a traced
-        forward: torch.compile cannot trace the JSON it is made of without a graph break."""
+        each (allow_tf32, autotune) choice (the ops make them from it), computed here
+        rather than in a traced forward: torch.compile cannot trace the JSON it is made
+        of without a graph break."""
         w = self.conv.weight
         backend = "cuda" if w.is_cuda else "reference"
         dtype = _DTYPES.get(w.dtype, DType.FLOAT32)  # another dtype is refused at the call
