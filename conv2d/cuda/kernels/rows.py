@@ -17,7 +17,10 @@ The summing jobs add their values in float64, in a fixed order, into one partial
 partials in a fixed order, in two levels of `phase_group` blocks (phase two), and
 finishes the job's totals (`finish`). Within a block the threads' sums of a channel are
 added in a fixed tree (`fold_rows`). So every sum has one order, fixed by the shape,
-the storage format and the LaunchConfig: results are bitwise the same run to run.
+the storage format and the LaunchConfig: results are bitwise the same run to run. For
+float32 storage each value's arithmetic (the normalise, its backward, the shifted
+statistics) is float64 too, rounded once when written (`value_math`'s `widen`); the
+16-bit formats compute it in float32.
 """
 
 from __future__ import annotations
