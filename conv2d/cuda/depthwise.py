@@ -53,14 +53,14 @@ class DepthwiseConvolutions:
         simple_kernels = depthwise_kernels(spec.dtype.value)
         if simple:
             self._kernels = simple_kernels[:2]
-            self._weight_partials = simple_kernels[2]
+            self._weight_partials, self._weight_sum = simple_kernels[2:]
             self._sizes_given = self._geometry  # the simple kernels take the sizes as arguments
         else:  # the sizes are the fast kernels' constants
             key = geometry_key(self._geometry)
-            self._kernels = fast_depthwise_kernels(spec.dtype.value, key)
+            fast = fast_depthwise_kernels(spec.dtype.value, key)
+            self._kernels, self._weight_sum = fast[:2], fast[2]
             self._weight_partials = weight_partials_by_channel(spec.dtype.value, key)
             self._sizes_given = {}
-        self._weight_sum = simple_kernels[3]
         self._rows = n * oh * ow
         self._P = max(1, min(MAX_PARTIAL_BLOCKS, self._rows // 64))
         self._taps = oc * kh * kw
@@ -93,7 +93,6 @@ class DepthwiseConvolutions:
         self._launch(self._launches, LaunchKey("depthwise_weight_partials"), self._weight_partials, self._P,
                      block, fixed, x=x, d_z=d_z)
         g = self._geometry
+        sizes = {"OC": g["OC"], "KH": g["KH"], "KW": g["KW"]} if self._simple else {}
         self._launch(self._launches, LaunchKey("depthwise_weight_sum"), self._weight_sum,
-                     *K.elementwise_grid(self._taps),
-                     {"partials": self._partials, "P": self._P, "OC": g["OC"], "KH": g["KH"], "KW": g["KW"]},
-                     d_w=d_w)
+                     *K.elementwise_grid(self._taps), {"partials": self._partials, "P": self._P, **sizes}, d_w=d_w)

@@ -149,8 +149,8 @@ def geometry_key(geometry: dict) -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def fast_depthwise_kernels(storage: str, geometry: tuple) -> tuple:
-    """(forward, backward_data) with `geometry` (geometry_key's tuple) compile-time
-    constants; the simple kernels' arguments but the sizes."""
+    """(forward, backward_data, backward_filter_sum) with `geometry` (geometry_key's
+    tuple) compile-time constants; the simple kernels' arguments but the sizes."""
     store = storage_io(storage).store
     output_value, input_gradient_value = _value_functions(storage)
     H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M = geometry
@@ -166,7 +166,34 @@ def fast_depthwise_kernels(storage: str, geometry: tuple) -> tuple:
         for i in range(cuda.grid(1), d_x.size, cuda.gridsize(1)):
             store(d_x, i, input_gradient_value(d_z, w, i, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M))
 
-    return forward, backward_data
+    @cuda.jit
+    def backward_filter_sum(partials, P, d_w):
+        """The simple phase two (d_w[oc, kh, kw] = its partials summed over p in order),
+        the partials loaded SUM_AHEAD at a time before they are added in order: a
+        thread's loads wait on each other's latency once a group, not once a partial."""
+        TAPS = OC * KH * KW
+        ahead = cuda.local.array(SUM_AHEAD, dtype=np.float32)
+        for j in range(cuda.grid(1), TAPS, cuda.gridsize(1)):
+            acc = ZERO
+            p = 0
+            while p + SUM_AHEAD <= P:
+                for q in range(SUM_AHEAD):
+                    ahead[q] = partials[(p + q) * TAPS + j]
+                for q in range(SUM_AHEAD):
+                    acc += ahead[q]
+                p += SUM_AHEAD
+            while p < P:
+                acc += partials[p * TAPS + j]
+                p += 1
+            oc = j % OC
+            tap = j // OC
+            store(d_w, oc * KH * KW + tap, acc)
+
+    return forward, backward_data, backward_filter_sum
+
+
+# Partials the fast phase two loads before adding them (in order).
+SUM_AHEAD = 8
 
 
 @functools.lru_cache(maxsize=None)
