@@ -125,14 +125,14 @@ class Arguments:
         held = [(k, arrays[k], _memory(arrays[k])) for k in names]
         key = (group, *(id(a) for _, a, _ in held))
         found = self._views.get(key)
-        if found is not None and all(m == m_then for (_, _, m), m_then in zip(held, found[0][1])):
+        if found is not None and [m for *_, m in held] == [m for *_, m in found[0]]:
             self._views[group] = (arrays, held, found[1])
             return found[1]
         views = self.flat_views(group, arrays, names)
         if len(self._views) >= 32:
             self._views.clear()
         # The originals pin the ids; their memory then is what a later hit must still have.
-        self._views[key] = (([a for _, a, _ in held], [m for _, _, m in held]), views)
+        self._views[key] = (held, views)
         self._views[group] = (arrays, held, views)
         return views
 

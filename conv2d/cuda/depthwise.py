@@ -55,12 +55,13 @@ class DepthwiseConvolutions:
             self._kernels = simple_kernels[:2]
             self._weight_partials, self._weight_sum = simple_kernels[2:]
             self._sizes_given = self._geometry  # the simple kernels take the sizes as arguments
+            self._sum_sizes = {k: self._geometry[k] for k in ("OC", "KH", "KW")}
         else:  # the sizes are the fast kernels' constants
             key = geometry_key(self._geometry)
             fast = fast_depthwise_kernels(spec.dtype.value, key)
             self._kernels, self._weight_sum = fast[:2], fast[2]
             self._weight_partials = weight_partials_by_channel(spec.dtype.value, key)
-            self._sizes_given = {}
+            self._sizes_given = self._sum_sizes = {}
         self._rows = n * oh * ow
         self._P = max(1, min(MAX_PARTIAL_BLOCKS, self._rows // 64))
         self._taps = oc * kh * kw
@@ -92,7 +93,6 @@ class DepthwiseConvolutions:
         block = K.WARP * 4 if self._simple else min(1024, -(-self.spec.out_channels // K.WARP) * K.WARP)
         self._launch(self._launches, LaunchKey("depthwise_weight_partials"), self._weight_partials, self._P,
                      block, fixed, x=x, d_z=d_z)
-        g = self._geometry
-        sizes = {"OC": g["OC"], "KH": g["KH"], "KW": g["KW"]} if self._simple else {}
         self._launch(self._launches, LaunchKey("depthwise_weight_sum"), self._weight_sum,
-                     *K.elementwise_grid(self._taps), {"partials": self._partials, "P": self._P, **sizes}, d_w=d_w)
+                     *K.elementwise_grid(self._taps), {"partials": self._partials, "P": self._P, **self._sum_sizes},
+                     d_w=d_w)
