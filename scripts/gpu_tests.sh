@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# The test suite in N pytest processes at once (default: one per CPU core), each over a
-# contiguous slice of the collected test ids. On the GPU machine they share its one GPU:
-# most of the suite's time there is numba compiling kernel variants, one CPU core a
-# process, so slices finish in a fraction of one process's ~10 minutes.
+# The test suite in N pytest processes at once (default: one per CPU core). On the GPU
+# machine they share its one GPU: most of the suite's time there is numba compiling kernel
+# variants, one CPU core a process, so N processes finish in a fraction of one process's time.
 #
 #     bash scripts/gpu_tests.sh [N] [pytest options...]
 #
+# Where pytest-xdist >= 3.2 is installed (the GPU machine has it), one pytest runs N workers
+# with work stealing (`--dist worksteal`): each worker starts on a contiguous run of the
+# collected tests (neighbouring tests share kernel variants, so a worker compiles few), and
+# a worker that is done takes the second half of a busy one's remaining run. Otherwise
+# (SLICES=1 forces it) N pytest processes each run a fixed contiguous slice of about equal
+# estimated time.
+#
 # Python: $PYTHON (default python3). Tests: $TESTS (default: tests; any pytest paths).
 # Logs go to $LOGS (default: a new temporary directory), written unbuffered so that a
-# stopped slice still shows how far it got. $SLICE_TIMEOUT (seconds, default none) stops a
-# slice that runs longer, so that the summary still prints inside a device command's limit.
-# Prints each slice's summary and the totals; exits non-zero when any slice fails, times
-# out or nothing was collected.
+# stopped run still shows how far it got. $SLICE_TIMEOUT (seconds, default none) stops the
+# run (or a slice) that runs longer, so that the summary still prints inside a device
+# command's limit. Prints the summary (each slice's, then the totals); exits non-zero when
+# a test fails, the run times out or nothing was collected.
 set -uo pipefail
 n=${1:-$(nproc)}
 shift || true
@@ -29,6 +35,20 @@ if [ "$total" -eq 0 ]; then
   exit 1
 fi
 [ "$n" -gt "$total" ] && n=$total
+py=${PYTHON:-python3}
+if [ "${SLICES:-0}" != 1 ] && "$py" -c 'import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split(".")[:2])) < (3, 2))' 2>/dev/null; then
+  start=$(date +%s)
+  # -v: one line a test as it ends, so that a run stopped by the timeout still counts.
+  timeout "${SLICE_TIMEOUT:-0}" "$py" -m pytest -n "$n" --dist worksteal -v -p no:cacheprovider "$@" \
+    ${TESTS:-tests} > "$logs/all.log" 2>&1
+  rc=$?
+  count() { grep -cE "^\[gw[0-9]+\] \[ *[0-9]+%\] $1 " "$logs/all.log"; }
+  [ "$rc" = 124 ] && echo "timed out after ${SLICE_TIMEOUT}s"
+  tail -n 1 "$logs/all.log"
+  echo "gpu_tests: $total collected, $n workers, $(count PASSED) passed, $(count FAILED) failed," \
+       "$(count SKIPPED) skipped, $(count ERROR) errors in $(( $(date +%s) - start )) s (logs: $logs)"
+  exit $rc
+fi
 # Contiguous slices of about equal estimated time, not equal counts: a test that runs the
 # CUDA backend compiles kernel variants (seconds each, the suite's time), the rest take
 # milliseconds. Equal counts left 4 of 16 slices past 310 s and 5 done within 10 s (H200).
