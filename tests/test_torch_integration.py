@@ -352,14 +352,14 @@ def test_the_numpy_layer_still_takes_a_detached_tensor():
 @pytest.mark.parametrize("setting, expected", [
     (dict(allow_tf32=True), True), (dict(allow_tf32=False), False)], ids=["allow_tf32", "no_tf32"])
 def test_the_tf32_choice_follows_pytorchs_cudnn_setting(setting, expected):
-    from conv2d.torch.module import torch_uses_tf32
+    from conv2d.torch.calls import torch_uses_tf32
 
     with torch.backends.cudnn.flags(enabled=True, **setting):
         assert torch_uses_tf32() is expected
 
 
 def test_the_tf32_choice_reads_the_fp32_precision_settings_where_torch_has_them():
-    from conv2d.torch.module import torch_uses_tf32
+    from conv2d.torch.calls import torch_uses_tf32
 
     conv = getattr(torch.backends.cudnn, "conv", None)
     if conv is None or not hasattr(conv, "fp32_precision"):
@@ -372,3 +372,46 @@ def test_the_tf32_choice_reads_the_fp32_precision_settings_where_torch_has_them(
             assert torch_uses_tf32() is expected, (conv_setting, cudnn_setting)
     finally:
         conv.fp32_precision, torch.backends.cudnn.fp32_precision = kept
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_ops_key_that_follows_pytorch_names_the_functions_of_pytorchs_choice_when_the_op_runs(dtype):
+    # The key a compiled graph holds; the op reads the switches when it runs, so the
+    # traced code reads none (and a compiled graph follows them as PyTorch's own does).
+    from conv2d.torch import ops
+
+    spec = LayerSpec(batch_size=2, in_height=5, in_width=5, in_channels=3, out_channels=4, kernel=3, dtype=dtype)
+    device = torch.device("cuda", 0)
+    follows = ops.key_for("cuda", spec, device, {"allow_tf32": ops.FOLLOW, "autotune": ops.FOLLOW})
+    for tf32 in (False, True):
+        for benchmark in (False, True):
+            with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32, benchmark=benchmark):
+                now = ops.key_now(follows)
+            want = {"allow_tf32": tf32 and dtype == "float32", "autotune": benchmark}
+            assert now == ops.key_for("cuda", spec, device, want), (tf32, benchmark)
+
+
+def test_an_ops_key_follows_pytorch_only_in_what_the_backend_options_leave_open():
+    from conv2d.torch import ops
+
+    spec = LayerSpec(batch_size=2, in_height=5, in_width=5, in_channels=3, out_channels=4, kernel=3)
+    device = torch.device("cuda", 0)
+    given = ops.key_for("cuda", spec, device, {"allow_tf32": True, "autotune": ops.FOLLOW, "fast_paths": False})
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False, benchmark=True):
+        assert ops.key_now(given) == ops.key_for("cuda", spec, device,
+                                                 {"allow_tf32": True, "autotune": True, "fast_paths": False})
+    chosen = ops.key_for("cuda", spec, device, {"allow_tf32": False, "autotune": False})
+    assert ops.key_now(chosen) == chosen
+    reference = ops.key_for("reference", spec, torch.device("cpu"), {})
+    assert ops.key_now(reference) == reference
+
+
+def test_ops_keys_of_options_that_are_no_json_are_distinct_names():
+    # A module's four (TF32, autotune) choices with a stream option each need their own
+    # functions; one shared name would hand the ops whichever was registered last.
+    from conv2d.torch import ops
+
+    spec = LayerSpec(batch_size=2, in_height=5, in_width=5, in_channels=3, out_channels=4, kernel=3)
+    keys = {ops.key_for("cuda", spec, torch.device("cuda", 0), {"stream": object(), "allow_tf32": tf32})
+            for tf32 in (False, True)}
+    assert len(keys) == 2 and all(k.startswith("object:") for k in keys)

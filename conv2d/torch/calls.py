@@ -1,7 +1,7 @@
 """What both of the module's autograd paths use (the eager node, conv2d.torch.eager, and the
 registered ops, conv2d.torch.ops): detached parameter dicts, the CUDA functions' saved
-outputs as torch tensors, the call context (CUDA capture, CPU threads), and the first-order-only
-backward."""
+outputs as torch tensors, the call context (CUDA capture, CPU threads), the first-order-only
+backward, and the choice of TF32 and plan timing that follows PyTorch's switches."""
 
 from __future__ import annotations
 
@@ -49,6 +49,34 @@ def first_order_only(backward: Callable[..., tuple]) -> Callable[..., tuple]:
         guarded = iter(_SecondDerivative.apply(len(tensors), *tensors, *sources))
         return tuple(next(guarded) if isinstance(o, Tensor) else o for o in outputs)
     return wrapper
+
+
+def torch_uses_tf32() -> bool:
+    """Whether PyTorch runs its own float32 cuDNN convolutions in TF32 now. Where the
+    installed torch has the `fp32_precision` settings: the first of
+    `torch.backends.cudnn.conv`'s, `torch.backends.cudnn`'s and `torch.backends`' that is
+    not "none" ("tf32": yes, "ieee": no; all "none": no, as the legacy
+    `allow_tf32 = False` leaves them). Else the legacy `torch.backends.cudnn.allow_tf32`
+    (which newer torch refuses to read once the two APIs were mixed)."""
+    cudnn = torch.backends.cudnn
+    conv = getattr(cudnn, "conv", None)
+    if conv is None or not hasattr(conv, "fp32_precision"):
+        return bool(cudnn.allow_tf32)
+    for holder in (conv, cudnn, torch.backends):
+        precision = getattr(holder, "fp32_precision", "none")
+        if precision != "none":
+            return precision == "tf32"
+    return False
+
+
+def choice_now(float32: bool, allow_tf32: Optional[bool] = None,
+               autotune: Optional[bool] = None) -> tuple[bool, bool]:
+    """(allow_tf32, autotune) of a CUDA call's convolutions now: each as given, or where
+    None as PyTorch would choose for its own cuDNN convolutions now (TF32 where
+    `torch_uses_tf32()`, plans timed where `torch.backends.cudnn.benchmark`); TF32 only
+    for float32."""
+    tf32 = float32 and (torch_uses_tf32() if allow_tf32 is None else bool(allow_tf32))
+    return tf32, bool(torch.backends.cudnn.benchmark) if autotune is None else bool(autotune)
 
 
 def call_context(fn: Any, x: Tensor) -> contextlib.AbstractContextManager:

@@ -28,6 +28,7 @@ from conv2d.backend import Preallocating, check_options, make_functions
 from conv2d.checks import describe
 from conv2d.spec import DType, LayerSpec, Normalization, _pair
 from conv2d.torch import eager, ops
+from conv2d.torch.calls import choice_now
 from conv2d.torch.graphs import COUNTS, CallGraphs
 
 _DTYPES = {torch.float64: DType.FLOAT64, torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16,
@@ -259,14 +260,14 @@ class Conv2dNormActivation(nn.Module):
     def _choice(self, x: torch.Tensor) -> tuple[bool, bool]:
         """(allow_tf32, autotune) of this call's convolutions, as PyTorch would choose
         for its own now unless `backend_options` says: TF32 for float32 where
-        `torch_uses_tf32()`, plans timed where `torch.backends.cudnn.benchmark`; (False,
-        False) off CUDA, and TF32 False for other dtypes."""
+        `torch_uses_tf32()`, plans timed where `torch.backends.cudnn.benchmark`
+        (`calls.choice_now`); (False, False) off CUDA, and TF32 False for other dtypes.
+        For the eager path: the registered ops make the same choice when they run
+        (`ops.key_now`), so that a traced call reads none of PyTorch's switches."""
         if not x.is_cuda:
             return NO_CHOICE
-        given = self.backend_options.get("allow_tf32")
-        tf32 = x.dtype == torch.float32 and (given if given is not None else torch_uses_tf32())
-        given = self.backend_options.get("autotune")
-        return bool(tf32), bool(given if given is not None else torch.backends.cudnn.benchmark)
+        given = self.backend_options
+        return choice_now(x.dtype == torch.float32, given.get("allow_tf32"), given.get("autotune"))
 
     def _options(self, backend: str, choice: tuple[bool, bool]) -> dict[str, Any]:
         if backend != "cuda":
@@ -300,8 +301,18 @@ class Conv2dNormActivation(nn.Module):
         w = self.conv.weight
         backend = "cuda" if w.is_cuda else "reference"
         dtype = _DTYPES.get(w.dtype, DType.FLOAT32)  # another dtype is refused at the call
-        self._op_keys = {choice: ops.key_for(backend, self._spec_for(dtype), w.device, self._options(backend, choice))
+        spec = self._spec_for(dtype)
+        self._op_keys = {choice: ops.key_for(backend, spec, w.device, self._options(backend, choice))
                          for choice in CHOICES}
+        # The ops' key: its options leave what backend_options does not give to the
+        # choice PyTorch makes when the op runs (ops.FOLLOW).
+        given = self.backend_options
+        following = {} if backend != "cuda" else {
+            **given, **{name: given.get(name, ops.FOLLOW) for name in ops.CHOICE_OPTIONS}}
+        self._op_key = ops.key_for(backend, spec, w.device, following)
+        if self._op_key.startswith("object:"):  # no JSON to make the choices from: name them
+            ops.register_choices(self._op_key, dtype is DType.FLOAT32, given.get("allow_tf32"), given.get("autotune"),
+                                 self._op_keys)
 
     def fold_batch_norm(self) -> "Conv2dNormActivation":
         """A new module for inference, in eval mode, on the same device, dtype and layout:
@@ -427,8 +438,7 @@ class Conv2dNormActivation(nn.Module):
             # graph trees reported overwritten (the weight's, then x's).
             w = weight.contiguous(memory_format=torch.channels_last)
             y = ops.Conv2dFunction.apply(x, w, bias, gamma, beta, running_mean, running_var, training,
-                                         self._spec.batch_statistics(training), nchw,
-                                         self._op_keys[self._choice(x)])
+                                         self._spec.batch_statistics(training), nchw, self._op_key)
             return self._counted(y, running_mean, training, kept if cumulative else None)
         return self._counted(y.permute(0, 3, 1, 2) if nchw else y, running_mean, training,
                              kept if cumulative else None)
@@ -447,24 +457,6 @@ class Conv2dNormActivation(nn.Module):
                     for running, new in zip(cumulative, batch):
                         running.lerp_(new, tracked.reciprocal().to(running.dtype))
         return y
-
-
-def torch_uses_tf32() -> bool:
-    """Whether PyTorch runs its own float32 cuDNN convolutions in TF32 now. Where the
-    installed torch has the `fp32_precision` settings: the first of
-    `torch.backends.cudnn.conv`'s, `torch.backends.cudnn`'s and `torch.backends`' that is
-    not "none" ("tf32": yes, "ieee": no; all "none": no, as the legacy
-    `allow_tf32 = False` leaves them). Else the legacy `torch.backends.cudnn.allow_tf32`
-    (which newer torch refuses to read once the two APIs were mixed)."""
-    cudnn = torch.backends.cudnn
-    conv = getattr(cudnn, "conv", None)
-    if conv is None or not hasattr(conv, "fp32_precision"):
-        return bool(cudnn.allow_tf32)
-    for holder in (conv, cudnn, torch.backends):
-        precision = getattr(holder, "fp32_precision", "none")
-        if precision != "none":
-            return precision == "tf32"
-    return False
 
 
 def _layer_momentum(momentum: float | None) -> float:

@@ -15,6 +15,9 @@ ops make the functions of a key on first use (`functions`): a graph that torch.e
 torch.compile recorded runs in any process where conv2d is installed, whatever became of
 the module that traced it. Options that are no JSON value (a stream object, a stand-in for
 cuDNN) cannot be named: their functions are registered under a key of this process only.
+The module's key leaves TF32 and plan timing to PyTorch's switches (`FOLLOW`): the op
+reads them when it runs (`key_now`), as the module's eager path reads them at each call,
+so a traced call reads none of them and a compiled graph follows them afterwards.
 
 Neither op has a second derivative: a backward asked to build a graph (create_graph=True)
 returns gradients that raise PyTorch's once_differentiable error when differentiated
@@ -35,6 +38,7 @@ memory, and a capture after eager steps on another stream fails on the node's st
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from typing import Any, Optional
@@ -45,23 +49,34 @@ from torch import Tensor
 from conv2d.arrays import to_library
 from conv2d.backend import make_functions
 from conv2d.spec import LayerSpec, Normalization
-from conv2d.torch.calls import detached, first_order_only, call_context, keeping_nothing, param_dict, saved_outputs
+from conv2d.torch.calls import (call_context, choice_now, detached, first_order_only, keeping_nothing, param_dict,
+                                saved_outputs)
 
 _FUNCTIONS: dict[str, Any] = {}  # key -> a backend's Functions; one per distinct layer, device and options
 _LOCK = threading.Lock()
+_SERIALS = itertools.count()  # of the "object:" keys (next() on a count is atomic in CPython)
+# An option value of a key for the CUDA options CHOICE_OPTIONS: what PyTorch would choose
+# for its own convolutions when the op runs (calls.choice_now), not when torch.compile
+# traced the call. A compiled graph then follows the switches as PyTorch's own compiled
+# convolutions do, and the traced code reads none of them (reading torch.backends'
+# fp32_precision settings is a graph break).
+FOLLOW = "as PyTorch"
+CHOICE_OPTIONS = ("allow_tf32", "autotune")
+# key -> () for a key that follows nothing, else (float32, allow_tf32, autotune, {choice:
+# key}) with None for an option that follows PyTorch.
+_CHOICES: dict[str, tuple] = {}
 
 
 def key_for(backend: str, spec: LayerSpec, device: torch.device, options: dict[str, Any]) -> str:
     """The ops' name for the functions of `backend` over `spec` on `device` with `options`:
     JSON that `functions` can make them from, or, for options that are no JSON value, a
-    name of this process ("object:" and a serial number) under which they must be
-    registered (`register`)."""
+    name of this process ("object:" and a serial number, new at each call) under which
+    they must be registered (`register`)."""
     try:
         return json.dumps({"backend": backend, "spec": spec.to_dict(), "device": str(device), "options": options},
                           sort_keys=True)
     except TypeError:
-        with _LOCK:
-            return f"object:{len(_FUNCTIONS)}:{backend}:{device}"
+        return f"object:{next(_SERIALS)}:{backend}:{device}"
 
 
 def register(key: str, functions: Any) -> None:
@@ -70,13 +85,53 @@ def register(key: str, functions: Any) -> None:
         _FUNCTIONS[key] = functions
 
 
+def register_choices(key: str, float32: bool, allow_tf32: Optional[bool], autotune: Optional[bool],
+                     keys: dict[tuple[bool, bool], str]) -> None:
+    """Name `key` (an "object:" key, whose options cannot be read back) the functions of
+    `keys[choice]` for the choice `calls.choice_now(float32, allow_tf32, autotune)` makes
+    at each call."""
+    with _LOCK:
+        _CHOICES[key] = (float32, allow_tf32, autotune, dict(keys))
+
+
+def _choices(key: str) -> tuple:
+    made = json.loads(key)
+    options = made["options"]
+    if not any(name in options for name in CHOICE_OPTIONS):
+        return ()
+    keys = {(tf32, autotune): json.dumps({**made, "options": {**options, "allow_tf32": tf32, "autotune": autotune}},
+                                         sort_keys=True)
+            for tf32 in (False, True) for autotune in (False, True)}
+    # A key that gives both (the eager path's) names itself, or a key of the same functions.
+    given = (None if options.get(name) == FOLLOW else bool(options.get(name, False)) for name in CHOICE_OPTIONS)
+    return (made["spec"]["dtype"] == "float32", *given, keys)
+
+
+def key_now(key: str) -> str:
+    """`key`, or for a key whose options follow PyTorch (FOLLOW), the key of the choice
+    `calls.choice_now` makes now."""
+    choices = _CHOICES.get(key)
+    if choices is None:
+        choices = () if key.startswith("object:") else _choices(key)
+        with _LOCK:
+            _CHOICES[key] = choices
+    if not choices:
+        return key
+    float32, allow_tf32, autotune, keys = choices
+    return keys[choice_now(float32, allow_tf32, autotune)]
+
+
 @torch.compiler.disable
 def functions(key: str) -> Any:
-    """The functions named `key`, made from it on first use (outside torch.compile's
+    """The functions named `key` (for a key that follows PyTorch's switches, those of
+    the choice made now: `key_now`), made from it on first use (outside torch.compile's
     tracing: the CUDA functions compile numba kernels)."""
     fn = _FUNCTIONS.get(key)
     if fn is not None:
         return fn
+    now = key_now(key)
+    if now != key:
+        return functions(now)
     if key.startswith("object:"):
         raise RuntimeError(f"conv2d ops: no functions registered as {key!r}: a module whose backend_options are "
                            f"no JSON values (a stream object, a stand-in for cuDNN) runs only in the process "
