@@ -467,16 +467,35 @@ def test_the_numba_depthwise_convolutions_match_the_reference(case, dtype):
 
 @pytest.mark.parametrize("case", list(FAST_DEPTHWISE_CASES))
 def test_the_fast_depthwise_kernels_are_bitwise_the_simple_ones(case):
-    """kernels/depthwise.py's fast kernels (the layer's sizes compile-time constants; the
-    weight gradient's first phase a thread a channel with the taps in registers) add the
-    simple kernels' products in the simple kernels' order: y, d_x and d_w bitwise theirs."""
+    """kernels/depthwise.py's fast kernels (the layer's sizes compile-time constants, the
+    weights in shared memory; the weight gradient's first phase a thread a channel with
+    the taps in registers) add the simple kernels' products in the simple kernels' order:
+    y, d_x and d_w bitwise theirs."""
+    assert_fast_depthwise_is_simple(FAST_DEPTHWISE_CASES[case])
+
+
+def test_the_fast_depthwise_kernels_read_weights_too_many_for_shared_memory_from_w(monkeypatch):
+    from conv2d.cuda.kernels import depthwise
+
+    # A geometry of this test alone (the kernels are cached by geometry), whose kernels
+    # are made while no weights fit in shared memory.
+    clear = getattr(depthwise.fast_depthwise_kernels, "cache_clear", lambda: None)  # compile_kernels wraps it
+    monkeypatch.setattr(depthwise, "SHARED_WEIGHTS", 0)
+    clear()
+    try:
+        assert_fast_depthwise_is_simple(dict(out_channels=8, kernel=(2, 3), in_height=5))
+    finally:
+        clear()
+
+
+def assert_fast_depthwise_is_simple(fields: dict) -> None:
     from conv2d.cuda.depthwise import DepthwiseConvolutions
     from conv2d.cuda.launch import Launcher
     from conv2d.cuda.plans import convolution_spec
 
     spec = convolution_spec(LayerSpec(**{**dict(batch_size=3, in_height=7, in_width=6, in_channels=4,
                                                 out_channels=4, kernel=3, padding=1, groups=4, dtype="float32"),
-                                         **FAST_DEPTHWISE_CASES[case]}))
+                                         **fields}))
     x, d_z = (cuda.to_device(a.reshape(-1)) for a in random_inputs(spec))
     rng = np.random.default_rng(1)
     w = cuda.to_device(rng.standard_normal(math.prod(spec.weight_shape)).astype(np.float32))

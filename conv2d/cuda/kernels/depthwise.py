@@ -31,25 +31,45 @@ import numpy as np
 
 from conv2d.cuda.kernels.activation import ZERO
 from conv2d.cuda.kernels.bits import storage_io
-from conv2d.cuda.kernels.layout import nhwc_position, window_sum_function
+from conv2d.cuda.kernels.layout import nhwc_position
 from conv2d.cuda.runtime import numba_cuda
 
 cuda = numba_cuda()
 
 
 @functools.lru_cache(maxsize=None)
-def _value_functions(storage: str) -> tuple:
+def _value_functions(storage: str, shared_weights: bool = False) -> tuple:
     """(output_value, input_gradient_value): the one-thread-a-value sums that the simple
     kernels run with the sizes as arguments and the fast ones with them as constants (the
-    same code, inlined, so the same sums)."""
+    same code, inlined, so the same sums). The weights are w (OC, KH, KW, 1) in the
+    storage format, or with `shared_weights` the fast kernels' float32 copy in shared
+    memory, tap-major (w_t[tap * OC + oc]): a warp's consecutive channels then read
+    consecutive words, where in w they are KH*KW values apart (a memory transaction a
+    few channels). The same values either way: loading converts to float32 exactly."""
     load = storage_io(storage).load
-    window_sum = window_sum_function(storage)
+
+    if shared_weights:
+        @cuda.jit(device=True, inline=True)
+        def weight(w, oc, tap, OC, TAPS):
+            return w[tap * OC + oc]
+    else:
+        @cuda.jit(device=True, inline=True)
+        def weight(w, oc, tap, OC, TAPS):
+            return load(w, oc * TAPS + tap)
 
     @cuda.jit(device=True, inline=True)
     def output_value(x, w, b, has_bias, relu, i, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M):
         # y[i] = conv(x, w) (+ b) (then ReLU with `relu`), taps in order (kh, then kw).
         n, oh, ow, oc = nhwc_position(i, OH, OW, OC)
-        acc = window_sum(x, w, n, oh, ow, oc, H, W, C, KH, KW, SH, SW, PH, PW, DH, DW, 1, M)
+        c = oc // M
+        acc = ZERO
+        for kh in range(KH):
+            ih = oh * SH - PH + kh * DH
+            if ih >= 0 and ih < H:
+                for kw in range(KW):
+                    iw = ow * SW - PW + kw * DW
+                    if iw >= 0 and iw < W:
+                        acc += load(x, ((n * H + ih) * W + iw) * C + c) * weight(w, oc, kh * KW + kw, OC, KH * KW)
         if has_bias:
             acc += load(b, oc)
         if relu and acc < ZERO:
@@ -72,7 +92,8 @@ def _value_functions(storage: str) -> tuple:
                         tw = iw + PW - kw * DW
                         if tw >= 0 and tw % SW == 0 and tw // SW < OW:
                             ow = tw // SW
-                            acc += load(d_z, ((n * OH + oh) * OW + ow) * OC + oc) * load(w, (oc * KH + kh) * KW + kw)
+                            acc += (load(d_z, ((n * OH + oh) * OW + ow) * OC + oc)
+                                    * weight(w, oc, kh * KW + kw, OC, KH * KW))
         return acc
 
     return output_value, input_gradient_value
@@ -151,20 +172,41 @@ def geometry_key(geometry: dict) -> tuple:
 def fast_depthwise_kernels(storage: str, geometry: tuple) -> tuple:
     """(forward, backward_data, backward_filter_sum) with `geometry` (geometry_key's
     tuple) compile-time constants; the simple kernels' arguments but the sizes."""
-    store = storage_io(storage).store
-    output_value, input_gradient_value = _value_functions(storage)
+    io = storage_io(storage)
+    load, store = io.load, io.store
     H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M = geometry
+    TAPS = KH * KW
+    WEIGHTS = OC * TAPS
+    shared = WEIGHTS <= SHARED_WEIGHTS
+    output_value, input_gradient_value = _value_functions(storage, shared)
+
+    # Each block's float32 copy of w, tap-major (see _value_functions), or w itself where
+    # it does not fit.
+    if shared:
+        @cuda.jit(device=True, inline=True)
+        def block_weights(w):
+            w_t = cuda.shared.array(WEIGHTS, dtype=np.float32)
+            for j in range(cuda.threadIdx.x, WEIGHTS, cuda.blockDim.x):
+                w_t[j] = load(w, (j % OC) * TAPS + j // OC)
+            cuda.syncthreads()
+            return w_t
+    else:
+        @cuda.jit(device=True, inline=True)
+        def block_weights(w):
+            return w
 
     @cuda.jit
     def forward(x, w, b, has_bias, relu, y):
+        w_t = block_weights(w)
         for i in range(cuda.grid(1), y.size, cuda.gridsize(1)):
-            store(y, i, output_value(x, w, b, has_bias, relu, i, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH,
+            store(y, i, output_value(x, w_t, b, has_bias, relu, i, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH,
                                      DW, M))
 
     @cuda.jit
     def backward_data(d_z, w, d_x):
+        w_t = block_weights(w)
         for i in range(cuda.grid(1), d_x.size, cuda.gridsize(1)):
-            store(d_x, i, input_gradient_value(d_z, w, i, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M))
+            store(d_x, i, input_gradient_value(d_z, w_t, i, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M))
 
     @cuda.jit
     def backward_filter_sum(partials, P, d_w):
@@ -194,6 +236,9 @@ def fast_depthwise_kernels(storage: str, geometry: tuple) -> tuple:
 
 # Partials the fast phase two loads before adding them (in order).
 SUM_AHEAD = 8
+# The most weights (OC * KH * KW float32 values, 16 KiB) the fast forward and input
+# gradient copy into each block's shared memory; a layer with more reads them from w.
+SHARED_WEIGHTS = 4096
 
 
 @functools.lru_cache(maxsize=None)

@@ -51,8 +51,8 @@ def window_sum_function(storage: str, wide: bool = False):
     DH, DW, CG, OCG): output value (n, oh, ow, oc)'s convolution sum over its window, taps
     in order (kh, kw, then the CG channels of its group oc // OCG), in float32 (float64
     with `wide`); x (N, H, W, C), w (OC, KH, KW, CG), flat, in the storage format
-    `storage`. The direct evaluate kernel, the depthwise forward (CG = 1) and the float64
-    oracle (kernels/oracle.py, `wide`) share it."""
+    `storage`. The direct evaluate kernel and the float64 oracle (kernels/oracle.py,
+    `wide`) share it."""
     load = storage_io(storage).load
     widen = _widened if wide else _as_is
     zero = float64(0) if wide else ZERO
