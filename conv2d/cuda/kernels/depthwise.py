@@ -48,28 +48,35 @@ def _value_functions(storage: str, shared_weights: bool = False) -> tuple:
     few channels). The same values either way: loading converts to float32 exactly."""
     load = storage_io(storage).load
 
+    # Indices go to the loads as uint64: a signed index costs a negative-index wraparound
+    # at every load (three 64-bit instructions), and these are never negative.
     if shared_weights:
         @cuda.jit(device=True, inline=True)
         def weight(w, oc, tap, OC, TAPS):
-            return w[tap * OC + oc]
+            return w[np.uint64(tap * OC + oc)]
     else:
         @cuda.jit(device=True, inline=True)
         def weight(w, oc, tap, OC, TAPS):
-            return load(w, oc * TAPS + tap)
+            return load(w, np.uint64(oc * TAPS + tap))
 
     @cuda.jit(device=True, inline=True)
     def output_value(x, w, b, has_bias, relu, i, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M):
         # y[i] = conv(x, w) (+ b) (then ReLU with `relu`), taps in order (kh, then kw).
+        # A tap's x index is the window corner's plus a constant of the tap (the corner
+        # itself may lie in the padding).
         n, oh, ow, oc = nhwc_position(i, OH, OW, OC)
-        c = oc // M
+        ih0 = oh * SH - PH
+        iw0 = ow * SW - PW
+        corner = ((n * H + ih0) * W + iw0) * C + oc // M
         acc = ZERO
         for kh in range(KH):
-            ih = oh * SH - PH + kh * DH
+            ih = ih0 + kh * DH
             if ih >= 0 and ih < H:
                 for kw in range(KW):
-                    iw = ow * SW - PW + kw * DW
+                    iw = iw0 + kw * DW
                     if iw >= 0 and iw < W:
-                        acc += load(x, ((n * H + ih) * W + iw) * C + c) * weight(w, oc, kh * KW + kw, OC, KH * KW)
+                        acc += (load(x, np.uint64(corner + (kh * DH * W + kw * DW) * C))
+                                * weight(w, oc, kh * KW + kw, OC, KH * KW))
         if has_bias:
             acc += load(b, oc)
         if relu and acc < ZERO:
@@ -87,12 +94,11 @@ def _value_functions(storage: str, shared_weights: bool = False) -> tuple:
             for kh in range(KH):
                 th = ih + PH - kh * DH
                 if th >= 0 and th % SH == 0 and th // SH < OH:
-                    oh = th // SH
+                    row = (n * OH + th // SH) * OW
                     for kw in range(KW):
                         tw = iw + PW - kw * DW
                         if tw >= 0 and tw % SW == 0 and tw // SW < OW:
-                            ow = tw // SW
-                            acc += (load(d_z, ((n * OH + oh) * OW + ow) * OC + oc)
+                            acc += (load(d_z, np.uint64((row + tw // SW) * OC + oc))
                                     * weight(w, oc, kh * KW + kw, OC, KH * KW))
         return acc
 
@@ -264,13 +270,16 @@ def weight_partials_by_channel(storage: str, geometry: tuple) -> object:
                 r = row // OW
                 oh = r % OH
                 n = r // OH
-                g = load(d_z, row * OC + oc)
+                g = load(d_z, np.uint64(row * OC + oc))
+                ih0 = oh * SH - PH
+                iw0 = ow * SW - PW
+                corner = ((n * H + ih0) * W + iw0) * C + c  # as in output_value
                 for kh in range(KH):
-                    ih = oh * SH - PH + kh * DH
+                    ih = ih0 + kh * DH
                     for kw in range(KW):
-                        iw = ow * SW - PW + kw * DW
+                        iw = iw0 + kw * DW
                         if ih >= 0 and ih < H and iw >= 0 and iw < W:
-                            acc[kh * KW + kw] += g * load(x, ((n * H + ih) * W + iw) * C + c)
+                            acc[kh * KW + kw] += g * load(x, np.uint64(corner + (kh * DH * W + kw * DW) * C))
             for j in range(TAPS):
                 partials[p * OC * TAPS + j * OC + oc] = acc[j]
     return weight_partials
