@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 from numpy import float64
 
 from conv2d.cuda.kernels.activation import ZERO
@@ -70,6 +71,8 @@ def window_sum_function(storage: str, wide: bool = False):
                         xb = ((n * H + ih) * W + iw) * C + c0
                         wb = ((oc * KH + kh) * KW + kw) * CG
                         for c in range(CG):
-                            acc += widen(load(x, xb + c)) * widen(load(w, wb + c))
+                            # uint64: no negative-index wraparound at each load (see
+                            # kernels/depthwise._value_functions); these are never negative.
+                            acc += widen(load(x, np.uint64(xb + c))) * widen(load(w, np.uint64(wb + c)))
         return acc
     return window_sum
