@@ -422,3 +422,27 @@ def test_norm_options_match_pytorchs_norms(norm, options, training):
     assert_same_step(ours, theirs, channels_last((4, 3, 7, 6)), channels_last((4, 5, 7, 6), seed=2))
     for k, v in theirs.state_dict().items():
         torch.testing.assert_close(ours.state_dict()[k], v, msg=k)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_a_call_that_wants_no_gradient_builds_no_autograd_node_and_gives_the_same_bits(monkeypatch, train):
+    # Acting and target computations: under no_grad the module runs the backend's forward
+    # without its autograd Function: the same y, the same running statistics.
+    import copy
+
+    from conv2d.torch import eager
+
+    with_grad, _ = module_and_sequential(norm="batch_norm", activation="relu")
+    with_grad.train(train)
+    without = copy.deepcopy(with_grad)
+    x = channels_last((4, 3, 8, 8))
+    want = with_grad(x).detach()
+
+    def refuse(*args):
+        raise AssertionError("an autograd node was built for a call that wants no gradient")
+    monkeypatch.setattr(eager.EagerConv2d, "apply", refuse)
+    with torch.no_grad():
+        got = without(x)
+    assert torch.equal(got, want)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(without.norm, name), getattr(with_grad.norm, name)), name

@@ -1,5 +1,7 @@
 """The module's eager path: one `torch.autograd.Function` straight over a backend's
-`Functions`.
+`Functions`, or, for a call that wants no gradient (under `torch.no_grad`, or nothing
+requiring one: acting, a target network), its forward alone (`forward_call`), the same
+launches without an autograd node.
 
 `conv2d.torch.ops` is what `torch.compile` sees: two opaque operators that take and
 return tensors only, with a permute node in the graph for x and for the weight and fresh
@@ -105,38 +107,14 @@ class EagerConv2d(torch.autograd.Function):
                 call: Call) -> Tensor:
         # running_mean and running_var come in as arguments so that autograd sees them
         # (nothing differentiates them); the backend reads and updates them through call.
-        fn, graphs = call.fn, call.graphs
-        x_nhwc = _nhwc(x, call.nchw)
+        y, pre, mean, inv_std = forward_call(x, call)
         ctx.call = call
-        if not x.is_cuda:
-            with call_context(fn, x):
-                y, saved = fn.forward(call.params, x_nhwc, call.training, call.running)
-            # The reference's saved arrays are its own (new each call): tensors over them,
-            # no copy, so that autograd keeps and frees them as it does its own.
-            pre, mean, inv_std = (None if a is None else to_library(a, "torch")
-                                  for a in (saved.pre, saved.mean, saved.inv_std))
-        else:
-            # The saved values in tensors from torch's allocator (not the backend's own
-            # recycled buffers): captured in torch.cuda.graph, they land in the graph's pool.
-            out = saved_outputs(fn, x_nhwc, placeholders=False)
-            pre, mean, inv_std = out["pre"], out["mean"], out["inv_std"]
-            if graphs is None:
-                with call_context(fn, x):
-                    y, _ = fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out)
-            else:
-                y = torch.empty(pre.shape, dtype=x.dtype, device=x.device)
-                key = (True, call.training, x_nhwc.shape, x.data_ptr(), y.data_ptr(), pre.data_ptr(),
-                       _ptr(mean), _ptr(inv_std), call.ptrs)
-                graphs.run(key, lambda: fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out,
-                                                   y_out=y)[1].resources, x)
         # Every saved value goes through save_for_backward, none on ctx: autograd frees
         # them after the backward (unless retain_graph), as it does nn.BatchNorm2d's, so a
         # graph kept alive (a loss held for logging) holds no activations, and the next
         # step gets the same blocks from torch's allocator (the graph keys repeat).
         ctx.save_for_backward(x, weight, gamma, beta, pre, mean, inv_std)
-        # The CUDA functions keep y (a prepared launch's argument), and autograd sets its
-        # grad_fn on the tensor it is given: hand out an alias that they do not hold.
-        return y.detach()
+        return y
 
     @staticmethod
     @first_order_only  # a double backward raises, never returns gradients without a graph
@@ -168,6 +146,39 @@ class EagerConv2d(torch.autograd.Function):
             # DDP's gradient buckets expect (no copy: the same memory order).
             d_w = d_w.as_strided(weight.size(), weight.stride())
         return d_x, d_w, grads.get("bias"), grads.get("gamma"), grads.get("beta"), None, None, None
+
+
+def forward_call(x: Tensor, call: Call) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(y, pre, mean, inv_std) of the backend's forward of x through `call` (see
+    EagerConv2d): what the autograd node saves, and what a call that builds no graph
+    (no gradient wanted: `torch.no_grad`, or nothing requires one) runs alone, with the
+    same launches and so the same bits."""
+    fn, graphs = call.fn, call.graphs
+    x_nhwc = _nhwc(x, call.nchw)
+    if not x.is_cuda:
+        with call_context(fn, x):
+            y, saved = fn.forward(call.params, x_nhwc, call.training, call.running)
+        # The reference's saved arrays are its own (new each call): tensors over them,
+        # no copy, so that autograd keeps and frees them as it does its own.
+        pre, mean, inv_std = (None if a is None else to_library(a, "torch")
+                              for a in (saved.pre, saved.mean, saved.inv_std))
+    else:
+        # The saved values in tensors from torch's allocator (not the backend's own
+        # recycled buffers): captured in torch.cuda.graph, they land in the graph's pool.
+        out = saved_outputs(fn, x_nhwc, placeholders=False)
+        pre, mean, inv_std = out["pre"], out["mean"], out["inv_std"]
+        if graphs is None:
+            with call_context(fn, x):
+                y, _ = fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out)
+        else:
+            y = torch.empty(pre.shape, dtype=x.dtype, device=x.device)
+            key = (True, call.training, x_nhwc.shape, x.data_ptr(), y.data_ptr(), pre.data_ptr(),
+                   _ptr(mean), _ptr(inv_std), call.ptrs)
+            graphs.run(key, lambda: fn.forward(call.params, x_nhwc, call.training, call.running, saved_out=out,
+                                               y_out=y)[1].resources, x)
+    # The CUDA functions keep y (a prepared launch's argument), and autograd sets its
+    # grad_fn on the tensor it is given: hand out an alias that they do not hold.
+    return y.detach(), pre, mean, inv_std
 
 
 def _graph_backward(call: Call, kept: tuple, d_y: Tensor, want_params: bool, want_input: bool) -> tuple:

@@ -427,10 +427,13 @@ class Conv2dNormActivation(nn.Module):
                 graphs = None
             if graphs is not None and (not self.cuda_graphs or torch.cuda.is_current_stream_capturing()):
                 graphs = None  # in a capture of the caller's, the launches go into it (calls.call_context)
-            y = eager.EagerConv2d.apply(x, weight, bias, gamma, beta, running_mean, running_var,
-                                        eager.Call(fn, params, running, training, nchw,
-                                                   self._spec.batch_statistics(training), graphs,
-                                                   ptrs if graphs is not None else ()))
+            call = eager.Call(fn, params, running, training, nchw, self._spec.batch_statistics(training), graphs,
+                              ptrs if graphs is not None else ())
+            if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                               for t in (x, weight, bias, gamma, beta)):
+                y = eager.EagerConv2d.apply(x, weight, bias, gamma, beta, running_mean, running_var, call)
+            else:  # no gradient wanted (acting, targets): no autograd node, the same forward
+                y = eager.forward_call(x, call)[0]
         else:
             # torch.compile and tensor subclasses: the registered ops. x and the weight go in
             # in the caller's layout (channels_last memory) and the ops view them as NHWC:
