@@ -89,3 +89,18 @@ def test_a_decided_relu_passes_the_gradient_where_its_mask_says_not_where_x_is_p
     y = DecidedReLU(torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64))(x)
     y.sum().backward()
     assert y.tolist() == [-1e-9, 0.0, 3.0] and x.grad.tolist() == [1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("slices", ["0", "1"], ids=["xdist_workers", "fixed_slices"])
+def test_the_gpu_test_runner_counts_passes_and_failures_and_fails_on_a_failure(slices, tmp_path):
+    # scripts/gpu_tests.sh, as the GPU machine runs it (there: 16 xdist workers), on a
+    # file of three passing tests and one failing one.
+    tests = tmp_path / "test_sample.py"
+    tests.write_text("import pytest\n\n@pytest.mark.parametrize('i', range(3))\ndef test_passes(i):\n    pass\n\n"
+                     "def test_fails():\n    assert False\n")
+    env = dict(os.environ, TESTS=tests.name, LOGS=str(tmp_path / "logs"), SLICES=slices, PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_tests.sh"), "2"], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=tmp_path)  # test ids are relative to the folder run in
+    summary = [line for line in done.stdout.splitlines() if line.startswith("gpu_tests:")]
+    assert done.returncode != 0 and summary, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "4 collected" in summary[0] and "3 passed, 1 failed" in summary[0], summary
