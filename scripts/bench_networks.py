@@ -230,6 +230,7 @@ def main() -> None:
                 "Ratios are ours / PyTorch (below 1: ours is faster); medians over rounds timed in turns "
                 "(scripts/bench_networks.py's docstring says how).", "", provenance(cuda), "", *lines, ""]
         path = Path(args.out) / f"bench_networks_{args.device}.md"
+        path.parent.mkdir(parents=True, exist_ok=True)  # a folder of its own, as on the GPU machine's $OUT
         path.write_text("\n".join(text))
         print(f"wrote {path}")
 

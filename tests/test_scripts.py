@@ -51,10 +51,10 @@ def test_the_networks_benchmark_runs_on_the_cpu_with_the_module_swapped_in(tmp_p
     pytest.importorskip("torch")
     out = run_script(ROOT / "scripts" / "bench_networks.py", "--device", "cpu", "--networks", "nature_dqn",
                      "--precisions", "strict", "--modes", "eager", "--rounds", "1", "--iters", "1",
-                     "--train-batch", "2", "--out", str(tmp_path), timeout=300).stdout
+                     "--train-batch", "2", "--out", str(tmp_path / "tables"), timeout=300).stdout
     assert "| nature_dqn | train | strict | eager |" in out and "| nature_dqn | act | strict | eager |" in out
     assert "failed" not in out
-    assert "Made by `python3 scripts/bench_networks.py" in (tmp_path / "bench_networks_cpu.md").read_text()
+    assert "Made by `python3 scripts/bench_networks.py" in (tmp_path / "tables" / "bench_networks_cpu.md").read_text()
 
 
 def test_the_accuracy_script_runs_on_the_cpu_stage_by_stage():
