@@ -4,7 +4,7 @@ side by side in one process, timed in turns.
 
     python scripts/bench_networks.py [--device cuda|cpu] [--networks nature_dqn,impala_cnn,cifar_resnet]
         [--precisions default,strict,bfloat16] [--modes eager,graph,compile,reduce-overhead]
-        [--rounds 5] [--iters 10] [--out DIR]
+        [--rows train,act,loop] [--rounds 5] [--iters 10] [--out DIR]
 
 Rows: the training step (forward, loss, backward, Adam step; the network's training batch)
 and acting (eval, no_grad, batch 1, then a synchronisation). Precisions: "default"
@@ -16,7 +16,10 @@ TF32 off on both sides), "bfloat16". Modes: eager; the whole step captured in
 timing PyTorch then ours for `--iters` calls after warm-up (so both see the machine at the
 same moment); the ratio is ours / PyTorch (below 1: ours is faster). GPU rows time with
 CUDA events (GPU ms) and the wall clock; CPU rows with the wall clock only (modes eager
-and compile). `--out DIR` writes DIR/bench_networks_{cuda,cpu}.md with the provenance line.
+and compile). Row "loop": the Breakout demo's DQN loop end to end in environment steps
+per second (scripts/rl_loop.py: plain PyTorch eager, with the module, with PyTorch's
+training step in torch.cuda.graph, and this library's demo path), its variants timed in
+turns. `--out DIR` writes DIR/bench_networks_{cuda,cpu}.md with the provenance line.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cuda import torch_graph  # noqa: E402  (PyTorch's capture recipe)
 from bench_shapes import provenance  # noqa: E402
+import rl_loop  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -183,13 +187,28 @@ def compare(name: str, precision: str, mode: str, row: str, args) -> dict | None
     return {side: tuple(statistics.median(t[i] for t in ts) for i in (0, 1)) for side, ts in times.items()}
 
 
+def loop_table(args) -> list[str]:
+    """The DQN loop's table (scripts/rl_loop.py), printed as it comes."""
+    variants = [v for v in rl_loop.VARIANTS if args.device == "cuda" or v != "torch graph"]
+    rates = rl_loop.steps_per_second(args.device, variants, args.loop_warmup, args.loop_steps, args.rounds)
+    lines = [f"The Breakout demo's DQN loop (scripts/rl_loop.py), {args.loop_steps} training steps a round after "
+             f"{args.loop_warmup} random ones, median of {args.rounds} rounds in turns:", "",
+             "| variant | steps/s | ms/step | steps/s vs plain PyTorch |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {v} | {r:.0f} | {1e3 / r:.3f} | {r / rates['torch']:.2f} |" for v, r in rates.items()]
+    print("\n".join(lines), flush=True)
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     ap.add_argument("--networks", default=",".join(NETWORKS))
     ap.add_argument("--precisions", default=None, help="default: all three on CUDA; strict,bfloat16 on the CPU")
     ap.add_argument("--modes", default=None, help="default: all four on CUDA; eager,compile on the CPU")
-    ap.add_argument("--rows", default="train,act")
+    ap.add_argument("--rows", default="train,act,loop", help="train, act (tables by network) and loop (the DQN "
+                    "loop in steps/s: scripts/rl_loop.py)")
+    ap.add_argument("--loop-warmup", type=int, default=1000, help="loop: random steps filling the replay first")
+    ap.add_argument("--loop-steps", type=int, default=500, help="loop: training steps a round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--train-batch", type=int, default=None, help="instead of each network's training batch")
@@ -208,8 +227,12 @@ def main() -> None:
             f"| --- | --- | --- | --- | {'---: | ' * (6 if cuda else 3)}".rstrip())
     lines = [head]
     print(head, flush=True)
-    for name in args.networks.split(","):
-        for row in args.rows.split(","):
+    rows = args.rows.split(",")
+    bad = [r for r in rows if r not in ("train", "act", "loop")]
+    if bad:
+        ap.error(f"unknown row {bad}; expected from ['train', 'act', 'loop']")
+    for name in args.networks.split(",") if set(rows) - {"loop"} else []:
+        for row in (r for r in rows if r != "loop"):
             for precision in precisions:
                 for mode in modes:
                     try:
@@ -225,6 +248,8 @@ def main() -> None:
                         line = f"| {name} | {row} | {precision} | {mode} | {gpu}{ow:.3f} | {tw:.3f} | {ow / tw:.2f} |"
                     lines.append(line)
                     print(line, flush=True)
+    if "loop" in rows:
+        lines += ["", *loop_table(args)]
     if args.out:
         text = ["# conv2d: whole networks, the module swapped in vs plain PyTorch", "",
                 "Ratios are ours / PyTorch (below 1: ours is faster); medians over rounds timed in turns "

@@ -51,10 +51,21 @@ def test_the_networks_benchmark_runs_on_the_cpu_with_the_module_swapped_in(tmp_p
     pytest.importorskip("torch")
     out = run_script(ROOT / "scripts" / "bench_networks.py", "--device", "cpu", "--networks", "nature_dqn",
                      "--precisions", "strict", "--modes", "eager", "--rounds", "1", "--iters", "1",
-                     "--train-batch", "2", "--out", str(tmp_path / "tables"), timeout=300).stdout
+                     "--train-batch", "2", "--rows", "train,act", "--out", str(tmp_path / "tables"),
+                     timeout=300).stdout
     assert "| nature_dqn | train | strict | eager |" in out and "| nature_dqn | act | strict | eager |" in out
     assert "failed" not in out
     assert "Made by `python3 scripts/bench_networks.py" in (tmp_path / "tables" / "bench_networks_cpu.md").read_text()
+
+
+def test_the_networks_benchmark_times_the_dqn_loop_of_each_variant_on_the_cpu():
+    pytest.importorskip("torch")
+    pytest.importorskip("minatar", reason="MinAtar (extra breakout) is not installed")
+    out = run_script(ROOT / "scripts" / "bench_networks.py", "--device", "cpu", "--rows", "loop", "--rounds", "1",
+                     "--loop-warmup", "40", "--loop-steps", "20", timeout=300).stdout
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert {"torch", "module", "demo"} <= set(rows) and "torch graph" not in rows  # no CUDA graphs on the CPU
+    assert rows["torch"].rstrip().endswith("| 1.00 |")
 
 
 def test_the_accuracy_script_runs_on_the_cpu_stage_by_stage():
