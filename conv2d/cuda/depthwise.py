@@ -9,9 +9,11 @@ shape (docs/bench_cuda.md). The forward and the input gradient take one thread a
 (as PyTorch's own depthwise kernels); the weight gradient's first phase one thread a
 channel. The fast kernels (the default) take the layer's sizes as compile-time constants;
 `kernels="simple"` runs the simple ones, which take them as arguments: the same sums.
-On an H100 this path measured about 10.3 ms a MobileNetV2 step with the runtime sizes
-and 4.7 ms (float32; bfloat16 3.7) with the constants, 1.5x cuDNN's graph and 3.5x
-PyTorch's (docs/bench_cuda.md), so cuDNN stays the default.
+On an H100 this path measured about 10.3 ms a MobileNetV2 step with the runtime sizes,
+4.7 ms with the constants, and 2.2 ms (float32; bfloat16 2.0) with the weights in shared
+memory and constant tap offsets: 0.68x cuDNN's graph, 1.66x PyTorch's (1.20x with batch
+norm; docs/bench_cuda.md). cuDNN stays the default until a change of default has run the
+GPU suite.
 """
 
 from __future__ import annotations
