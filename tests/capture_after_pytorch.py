@@ -1,0 +1,92 @@
+"""A scenario for tests/test_cuda.py, run in a process of its own (a CUDA error such as an
+illegal memory access poisons the process's context): scripts/bench_networks.py's "graph"
+mode on a CIFAR-style conv-BN-ReLU network. The plain PyTorch network's training step is
+captured in torch.cuda.graph and replayed first, then the same network with the module
+swapped in; the module's captured steps must give the parameters and running statistics
+of the same steps run eagerly.
+
+    python tests/capture_after_pytorch.py PRECISION BATCH    (PRECISION: strict or tf32)
+
+Prints "OK", or "DIFFER" and the first parameter that differs; exits non-zero on a CUDA error.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+from torch import nn
+
+from conv2d.torch import swap
+
+WIDTHS = [(3, 64, 1), (64, 64, 1), (64, 128, 2), (128, 128, 1)]  # (in, out, stride)
+REPLAYS = 5
+
+
+def network() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for cin, cout, stride in WIDTHS:
+        layers += [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(WIDTHS[-1][1], 10))
+
+
+def training_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, capturable=True)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=False)
+        nn.functional.mse_loss(model(x).float(), target).backward()
+        opt.step()
+    return step
+
+
+def captured(step) -> torch.cuda.CUDAGraph:
+    """PyTorch's recipe: three warm-up steps on a side stream, then the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def main() -> int:
+    precision, batch = sys.argv[1], int(sys.argv[2])
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.benchmark = False
+
+    def on_gpu(m: nn.Module) -> nn.Module:
+        return m.to(device="cuda", memory_format=torch.channels_last)
+    theirs = on_gpu(network())
+    ours = on_gpu(swap(network()))
+    eager = copy.deepcopy(ours)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 3, 32, 32, generator=g).to(device="cuda", memory_format=torch.channels_last)
+    target = torch.randn(batch, 10, generator=g).to("cuda")
+
+    pytorch_graph = captured(training_step(theirs, x, target))
+    for _ in range(3):
+        pytorch_graph.replay()
+    our_graph = captured(training_step(ours, x, target))
+    for _ in range(REPLAYS):
+        our_graph.replay()
+    step = training_step(eager, x, target)
+    for _ in range(3 + REPLAYS):  # the warm-up steps and the replays
+        step()
+    torch.cuda.synchronize()
+    for (name, a), b in zip(ours.state_dict().items(), eager.state_dict().values()):
+        if not torch.allclose(a.double(), b.double(), rtol=1e-4, atol=1e-6):
+            print(f"DIFFER {name}: largest difference {(a.double() - b.double()).abs().max().item():.3g}")
+            return 1
+    print("OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
