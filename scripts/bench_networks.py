@@ -157,6 +157,22 @@ def acting_step(model: nn.Module, mode: str, x: torch.Tensor, timer: Timer):
     return act
 
 
+class SideFailed(Exception):
+    """The warm-up of one side ("torch" or "ours") of a comparison raised (its cause)."""
+
+    def __init__(self, side: str) -> None:
+        super().__init__(side)
+        self.side = side
+
+
+def failure(e: Exception) -> str:
+    """A table cell for a comparison that raised: which side's warm-up, and the error."""
+    side = ""
+    if isinstance(e, SideFailed):
+        side, e = {"torch": "PyTorch's side", "ours": "our side"}[e.side] + ": ", e.__cause__
+    return f"failed ({side}{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
+
+
 def compare(name: str, precision: str, mode: str, row: str, args) -> dict | None:
     """Both sides' median (GPU, wall) ms of `row` ("train" or "act"); None where the mode
     does not apply (graphs on the CPU)."""
@@ -177,9 +193,14 @@ def compare(name: str, precision: str, mode: str, row: str, args) -> dict | None
     timer = Timer(device)
     steps = {}
     for side, model in zip(("torch", "ours"), models(name, device, dtype)):
-        steps[side] = (training_step(model, mode, x, target) if row == "train" else acting_step(model, mode, x, timer))
-        for _ in range(3):  # compile, capture, plan, warm caches
-            steps[side]()
+        try:
+            steps[side] = (training_step(model, mode, x, target) if row == "train"
+                           else acting_step(model, mode, x, timer))
+            for _ in range(3):  # compile, capture, plan, warm caches
+                steps[side]()
+            timer.sync()  # a CUDA error of this side's work surfaces here, before the other side runs
+        except Exception as e:
+            raise SideFailed(side) from e
     times = {"torch": [], "ours": []}
     for _ in range(args.rounds):
         for side in ("torch", "ours"):
@@ -238,8 +259,7 @@ def main() -> None:
                     try:
                         got = compare(name, precision, mode, row, args)
                     except Exception as e:  # a mode that fails is a finding: its row says so
-                        line = f"| {name} | {row} | {precision} | {mode} | failed: {type(e).__name__}: " \
-                               f"{(str(e).splitlines() or [''])[0][:120]} |{' |' * (5 if cuda else 2)}"
+                        line = f"| {name} | {row} | {precision} | {mode} | {failure(e)} |{' |' * (5 if cuda else 2)}"
                     else:
                         if got is None:
                             continue

@@ -5,9 +5,12 @@ captured in torch.cuda.graph and replayed first, then the same network with the 
 swapped in; the module's captured steps must give the parameters and running statistics
 of the same steps run eagerly.
 
-    python tests/capture_after_pytorch.py PRECISION BATCH    (PRECISION: strict or tf32)
+    python tests/capture_after_pytorch.py PRECISION BATCH [ORDER]
+        PRECISION: strict or tf32; ORDER: "pytorch-then-ours" (default) or "ours" (ours alone)
 
-Prints "OK", or "DIFFER" and the first parameter that differs; exits non-zero on a CUDA error.
+Prints "OK", or "DIFFER" and the first parameter that differs (exit 1); "PYTORCH FAILED"
+and the error where PyTorch's own captured network fails before ours runs (exit 3);
+another non-zero exit on a CUDA error in ours.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def captured(step) -> torch.cuda.CUDAGraph:
 
 def main() -> int:
     precision, batch = sys.argv[1], int(sys.argv[2])
+    order = sys.argv[3] if len(sys.argv) > 3 else "pytorch-then-ours"
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
     torch.backends.cudnn.benchmark = False
 
@@ -70,9 +74,15 @@ def main() -> int:
     x = torch.randn(batch, 3, 32, 32, generator=g).to(device="cuda", memory_format=torch.channels_last)
     target = torch.randn(batch, 10, generator=g).to("cuda")
 
-    pytorch_graph = captured(training_step(theirs, x, target))
-    for _ in range(3):
-        pytorch_graph.replay()
+    if order == "pytorch-then-ours":
+        try:
+            pytorch_graph = captured(training_step(theirs, x, target))
+            for _ in range(3):
+                pytorch_graph.replay()
+            torch.cuda.synchronize()  # an error of PyTorch's own work surfaces here, before ours runs
+        except Exception as e:  # noqa: BLE001 - reported, and the process ends
+            print(f"PYTORCH FAILED {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+            return 3
     our_graph = captured(training_step(ours, x, target))
     for _ in range(REPLAYS):
         our_graph.replay()

@@ -1045,20 +1045,25 @@ def test_the_module_captured_in_a_torch_cuda_graph_replays_like_eager():
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("order", ["ours", "pytorch-then-ours"])
 @pytest.mark.parametrize("precision", ["strict", "tf32"])
-def test_a_network_of_modules_captured_after_pytorchs_own_network_replays_like_eager(precision):
-    """scripts/bench_networks.py's graph mode: PyTorch's CIFAR-style network captured and
-    replayed first, then ours (tests/capture_after_pytorch.py, in a process of its own,
-    since a CUDA error poisons the process). At 635a279 the benchmark's run of this order
-    ended in an illegal memory access (docs/benchmarks.md)."""
+def test_a_network_of_modules_captured_in_a_torch_cuda_graph_replays_like_eager(precision, order):
+    """scripts/bench_networks.py's graph mode on a CIFAR-style network at batch 128: ours
+    alone, and after PyTorch's own network was captured and replayed (the benchmark's
+    order, whose run at 635a279 ended in an illegal memory access: docs/benchmarks.md).
+    In a process of its own (tests/capture_after_pytorch.py): a CUDA error poisons the
+    process. Where PyTorch's own captured network fails before ours runs, that is
+    PyTorch's failure, not this library's: the test skips, saying so."""
     pytest.importorskip("torch", reason="torch is not installed")
     import subprocess
     import sys
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
-    done = subprocess.run([sys.executable, str(here / "capture_after_pytorch.py"), precision, "128"],
+    done = subprocess.run([sys.executable, str(here / "capture_after_pytorch.py"), precision, "128", order],
                           capture_output=True, text=True, timeout=300, cwd=here.parent)
+    if done.returncode == 3:
+        pytest.skip(f"PyTorch's own CIFAR-style network fails in torch.cuda.graph here: {done.stdout.strip()}")
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), (done.stdout[-1000:], done.stderr[-3000:])
 
 

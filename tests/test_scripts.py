@@ -58,6 +58,26 @@ def test_the_networks_benchmark_runs_on_the_cpu_with_the_module_swapped_in(tmp_p
     assert "Made by `python3 scripts/bench_networks.py" in (tmp_path / "tables" / "bench_networks_cpu.md").read_text()
 
 
+def test_a_network_comparison_that_fails_says_whose_side_failed(monkeypatch):
+    """A CUDA error is reported at the next synchronisation, whoever caused it: each side's
+    warm-up ends with one, so that a failure is PyTorch's or ours, not the row's."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_networks
+
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("an illegal memory access was encountered")
+    real = bench_networks.models
+    monkeypatch.setattr(bench_networks, "models", lambda *a: (Broken(), real(*a)[1]))
+    args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=1, iters=1)
+    with pytest.raises(bench_networks.SideFailed) as failed:
+        bench_networks.compare("digits_cnn", "strict", "eager", "act", args)
+    assert failed.value.side == "torch"
+    assert bench_networks.failure(failed.value) == ("failed (PyTorch's side: RuntimeError: an illegal memory access "
+                                                    "was encountered)")
+
+
 def test_the_networks_benchmark_times_the_dqn_loop_of_each_variant_on_the_cpu():
     pytest.importorskip("torch")
     pytest.importorskip("minatar", reason="MinAtar (extra breakout) is not installed")
