@@ -6,7 +6,8 @@ swapped in; the module's captured steps must give the parameters and running sta
 of the same steps run eagerly.
 
     python tests/capture_after_pytorch.py PRECISION BATCH [ORDER]
-        PRECISION: strict or tf32; ORDER: "pytorch-then-ours" (default) or "ours" (ours alone)
+        PRECISION: strict or tf32; ORDER: "pytorch-then-ours" (default), "ours" (ours alone) or
+        "pytorch" (PyTorch's alone: whether its own captured network runs)
 
 Prints "OK", or "DIFFER" and the first parameter that differs (exit 1); "PYTORCH FAILED"
 and the error where PyTorch's own captured network fails before ours runs (exit 3);
@@ -74,7 +75,10 @@ def main() -> int:
     x = torch.randn(batch, 3, 32, 32, generator=g).to(device="cuda", memory_format=torch.channels_last)
     target = torch.randn(batch, 10, generator=g).to("cuda")
 
-    if order == "pytorch-then-ours":
+    if order not in ("pytorch-then-ours", "ours", "pytorch"):
+        print(f"ORDER: expected pytorch-then-ours, ours or pytorch, got {order!r}")
+        return 2
+    if order != "ours":
         try:
             pytorch_graph = captured(training_step(theirs, x, target))
             for _ in range(3):
@@ -83,6 +87,9 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - reported, and the process ends
             print(f"PYTORCH FAILED {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
             return 3
+        if order == "pytorch":
+            print("OK")
+            return 0
     our_graph = captured(training_step(ours, x, target))
     for _ in range(REPLAYS):
         our_graph.replay()

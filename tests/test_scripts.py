@@ -58,6 +58,15 @@ def test_the_networks_benchmark_runs_on_the_cpu_with_the_module_swapped_in(tmp_p
     assert "Made by `python3 scripts/bench_networks.py" in (tmp_path / "tables" / "bench_networks_cpu.md").read_text()
 
 
+def test_the_module_host_cost_script_times_both_rows_and_profiles_ours_on_the_cpu():
+    pytest.importorskip("torch")
+    out = run_script(ROOT / "scripts" / "module_host_cost.py", "--device", "cpu", "--bn", "--calls", "20", "--top",
+                     "5", timeout=300).stdout
+    assert "| act |" in out and "| train |" in out
+    assert "Ours, act: own time per call by function" in out and "Ours, train: own time per call by function" in out
+    assert "torch/module.py:forward" in out  # the module's own forward is among the profiled functions
+
+
 def test_a_network_comparison_that_fails_says_whose_side_failed(monkeypatch):
     """A CUDA error is reported at the next synchronisation, whoever caused it: each side's
     warm-up ends with one, so that a failure is PyTorch's or ours, not the row's."""

@@ -1,0 +1,133 @@
+"""Where the PyTorch module's host time goes, per call: the module (`Conv2dNormActivation`)
+beside PyTorch's `Conv2d + BatchNorm2d + ReLU` modules on one benchmark layer
+(shared/BENCH.md), acting (eval, no_grad) and training (forward and backward), then a
+profile of ours by function (issue 38's "measure where the time goes per call").
+
+    python scripts/module_host_cost.py [--device cuda|cpu] [--shape tiny_latency] [--bn]
+        [--dtype float32] [--batch 1] [--calls 2000] [--top 15]
+
+Host time per call: the wall time of `--calls` calls divided by their number, the GPU
+synchronised once at the end, on a layer small enough that the host, not the GPU, sets
+the pace (tiny_latency at batch 1 by default); on the CPU it is the whole call. Then
+cProfile over ours: each function's own time (tottime) per call, in microseconds, the
+largest first, named by file and function (the profiler's overhead inflates every row
+alike; compare rows, not totals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_shapes import SHAPES, bench_spec, provenance  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def layers(shape: str, bn: bool, dtype: torch.dtype, device: str) -> tuple[nn.Module, nn.Module]:
+    """(PyTorch's Conv2d [+ BatchNorm2d] + ReLU, the module swapped in), same weights,
+    channels_last."""
+    from conv2d.torch import swap
+
+    spec = bench_spec(shape, bn, "float32")
+    torch.manual_seed(0)
+    theirs = nn.Sequential(nn.Conv2d(spec.in_channels, spec.out_channels, spec.kernel, spec.stride, spec.padding,
+                                     bias=not bn), *([nn.BatchNorm2d(spec.out_channels)] if bn else []), nn.ReLU())
+    ours = swap(nn.Sequential(*[m for m in _copy(theirs)]))
+    return tuple(m.to(device=device, dtype=dtype, memory_format=torch.channels_last) for m in (theirs, ours))
+
+
+def _copy(m: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(m)
+
+
+def calls(model: nn.Module, x: torch.Tensor, row: str):
+    """One call of `row`: "act" (eval, no_grad) or "train" (forward, backward of the sum)."""
+    if row == "act":
+        model.eval()
+
+        def act() -> None:
+            with torch.no_grad():
+                model(x)
+        return act
+    model.train()
+    xg = x.detach().requires_grad_(True)
+
+    def train() -> None:
+        model(xg).sum().backward()
+    return train
+
+
+def host_us(run, n: int, sync) -> float:
+    for _ in range(max(10, n // 10)):  # warm-up: plans, CUDA graphs of the module's calls
+        run()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        run()
+    sync()
+    return (time.perf_counter() - t0) * 1e6 / n
+
+
+def profile_rows(run, n: int, top: int) -> list[tuple[str, float, int]]:
+    """(file:function, own us per call, calls per call) of the `top` functions by own time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        run()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+    rows = []
+    for (file, _, name), (_, calls_, tottime, _, _) in stats.items():
+        short = "/".join(Path(file).parts[-2:]) if file != "~" else "builtin"
+        rows.append((f"{short}:{name}", tottime * 1e6 / n, calls_ / n))
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    ap.add_argument("--shape", default="tiny_latency", choices=sorted(SHAPES))
+    ap.add_argument("--bn", action="store_true", help="with batch norm")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args()
+    if args.calls < 1 or args.batch < 1:
+        ap.error(f"--calls and --batch: expected positive ints, got {args.calls} and {args.batch}")
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    theirs, ours = layers(args.shape, args.bn, DTYPES[args.dtype], args.device)
+    _, h, w, c = bench_spec(args.shape, args.bn, "float32").input_shape
+    x = torch.randn(args.batch, c, h, w).to(device=args.device, dtype=DTYPES[args.dtype],
+                                              memory_format=torch.channels_last)
+    print(provenance(cuda), "\n")
+    print(f"Host time per call, {args.shape}{' bn' if args.bn else ''} {args.dtype}, batch {args.batch}, "
+          f"{args.device}, {args.calls} calls:\n")
+    print("| row | ours us | PyTorch us | ours - PyTorch |\n| --- | ---: | ---: | ---: |")
+    runs = {}
+    for row in ("act", "train"):
+        runs[row] = calls(ours, x, row)
+        t_ours = host_us(runs[row], args.calls, sync)
+        t_theirs = host_us(calls(theirs, x, row), args.calls, sync)
+        print(f"| {row} | {t_ours:.1f} | {t_theirs:.1f} | {t_ours - t_theirs:+.1f} |", flush=True)
+    for row, run in runs.items():
+        print(f"\nOurs, {row}: own time per call by function (cProfile), the {args.top} largest:\n")
+        print("| function | us per call | calls per call |\n| --- | ---: | ---: |")
+        for name, us, per in profile_rows(run, max(1, args.calls // 4), args.top):
+            print(f"| {name} | {us:.2f} | {per:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
