@@ -234,6 +234,21 @@ def test_a_parameter_given_new_memory_is_read_from_there_on_the_next_call():
     torch.testing.assert_close(module.norm.running_mean, theirs[1].running_mean, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("where", ["conv weight", "norm weight"])
+def test_a_parametrized_parameter_is_read_through_its_parametrization_and_trains_as_in_pytorch(where):
+    """torch.nn.utils.parametrize moves the parameter out of the module's own dict (weight
+    norm: "parametrizations.weight.original0/1"): the module reads the computed weight."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    module, theirs = module_and_sequential("batch_norm", "relu")
+    owner, their_owner = (module.conv, theirs[0]) if where == "conv weight" else (module.norm, theirs[1])
+    for m in (owner, their_owner):
+        weight_norm(m, "weight", dim=0)
+        with torch.no_grad():
+            m.parametrizations.weight.original0.mul_(1.5)  # a weight that differs from the one the module had
+    assert_same_step(module, theirs, channels_last((2, 3, 4, 4)), channels_last((2, 5, 4, 4), seed=2))
+
+
 def test_backward_twice_through_a_retained_graph_gives_twice_the_gradients():
     module, _ = module_and_sequential("batch_norm", "tanh")
     x = channels_last((2, 3, 4, 4)).requires_grad_(True)

@@ -76,15 +76,17 @@ class ParameterViews:
     def __init__(self) -> None:
         self._tensors: tuple = ()
         self._ptrs: tuple = ()
+        self._ids: tuple = ()
         self._dicts: tuple[dict, Optional[dict]] = ({}, None)
 
     def get(self, weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor],
             running_mean: Optional[Tensor], running_var: Optional[Tensor]) -> tuple[dict, Optional[dict], tuple]:
         """(params, running, the tensors' addresses)."""
         tensors = (weight, bias, gamma, beta, running_mean, running_var)
-        ptrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
-        if ptrs != self._ptrs or not all(a is b for a, b in zip(tensors, self._tensors)):
+        ptrs = tuple([0 if t is None else t.data_ptr() for t in tensors])
+        if ptrs != self._ptrs or tuple(map(id, tensors)) != self._ids:
             self._tensors, self._ptrs, self._dicts = tensors, ptrs, parameter_dicts(*tensors)
+            self._ids = tuple(map(id, tensors))  # the objects are kept (self._tensors): their ids stay theirs
         return (*self._dicts, ptrs)
 
 
