@@ -252,7 +252,7 @@ def grad_pre_activations(params: dict, saved: Saved, d_y: np.ndarray) -> tuple[n
             d_z = _per_sample(norm.backward_batch_statistics, d_a, x_hat, saved.inv_std, gamma=gamma,
                               axes=_axes(spec))
         else:
-            d_z = norm.backward_batch_statistics(d_a, x_hat, saved.inv_std, gamma, _axes(spec))
+            d_z = norm.backward_batch_statistics(d_a, x_hat, saved.inv_std, gamma, _axes(spec), (d_beta, d_gamma))
     else:
         d_z = norm.backward_fixed_statistics(d_a, saved.inv_std, gamma, _axes(spec))
     return d_z, {"gamma": d_gamma, "beta": d_beta}

@@ -117,14 +117,25 @@ def param_backward(d_out: np.ndarray, x_hat: np.ndarray) -> tuple[np.ndarray, np
 
 
 def backward_batch_statistics(d_out: np.ndarray, x_hat: np.ndarray, inv_std: np.ndarray,
-                              gamma: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+                              gamma: np.ndarray, axes: tuple[int, ...],
+                              sums: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """d_z when mean and inv_std were computed from `z` itself over `axes`.
 
     With g = d_out * gamma: d_z = inv_std * (g - mean(g) - x_hat * mean(g * x_hat)).
+    `sums`: batch norm's (sum(d_out), sum(d_out * x_hat)) over N, OH, OW, (OC,) each
+    (`param_backward`'s d_beta and d_gamma): gamma is one value a channel there, so
+    mean(g) = gamma * sum(d_out) / count and mean(g * x_hat) = gamma * sum(d_out * x_hat)
+    / count, without two more passes over the batch (PyTorch's batch-norm backward reuses
+    its two sums the same way). Layer norm's gamma varies within a sample's sums: its
+    means always take the two passes.
     """
     g = d_out * gamma
-    mean_g = wide_mean(g, axes, keepdims=True)
-    mean_gx = wide_mean(g * x_hat, axes, keepdims=True)
+    if sums is not None and axes == BATCH_AXES:
+        count = d_out.size // d_out.shape[-1]
+        mean_g, mean_gx = (gamma * (s / s.dtype.type(count)) for s in sums)
+    else:
+        mean_g = wide_mean(g, axes, keepdims=True)
+        mean_gx = wide_mean(g * x_hat, axes, keepdims=True)
     g -= mean_g
     g -= x_hat * mean_gx
     g *= expand(inv_std, axes)
