@@ -58,6 +58,15 @@ def test_the_networks_benchmark_runs_on_the_cpu_with_the_module_swapped_in(tmp_p
     assert "Made by `python3 scripts/bench_networks.py" in (tmp_path / "tables" / "bench_networks_cpu.md").read_text()
 
 
+def test_the_network_layers_script_times_each_swapped_layer_of_the_digits_cnn_on_the_cpu():
+    pytest.importorskip("torch")
+    out = run_script(ROOT / "scripts" / "network_layers.py", "--device", "cpu", "--network", "digits_cnn",
+                     "--rounds", "1", "--iters", "2", timeout=300).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r.split(":")[0] for r in rows] == ["| 0", "| 1", "| 2"]  # the digits CNN's three convolutions
+    assert "| all layers |" in out and "| ours / PyTorch |" in out
+
+
 def test_the_module_host_cost_script_times_both_rows_and_profiles_ours_on_the_cpu():
     pytest.importorskip("torch")
     out = run_script(ROOT / "scripts" / "module_host_cost.py", "--device", "cpu", "--bn", "--calls", "20", "--top",
