@@ -488,6 +488,33 @@ def test_the_fast_depthwise_kernels_read_weights_too_many_for_shared_memory_from
         clear()
 
 
+def test_the_fast_depthwise_kernels_of_indices_beyond_31_bits_are_bitwise_the_simple_ones(monkeypatch):
+    """Where x's or y's indices do not fit 31 bits, the fast forward and input gradient
+    take one thread a value and 64-bit indices (no strips): forced here on a small layer."""
+    from conv2d.cuda import depthwise
+
+    monkeypatch.setattr(depthwise, "SMALL_INDEX", 0)  # every layer's indices "beyond 31 bits"
+    assert_fast_depthwise_is_simple(dict(out_channels=8, padding="same", dilation=2))
+
+
+@pytest.mark.parametrize("fields, strips", [(dict(), (4, 4)), (dict(stride=2, padding=0), (4, 1))],
+                         ids=["stride1", "stride2"])
+def test_the_fast_depthwise_kernels_compute_strips_along_the_width_where_indices_fit_31_bits(fields, strips):
+    """The forward a strip of STRIP values a thread at any stride, the input gradient at
+    stride 1 (its strided gather stays one thread a value)."""
+    from conv2d.cuda.kernels.depthwise import STRIP, fast_depthwise_kernels, geometry_key
+    from conv2d.cuda.kernels.layout import window_geometry
+    from conv2d.cuda.plans import convolution_spec
+
+    spec = convolution_spec(LayerSpec(**{**dict(batch_size=3, in_height=7, in_width=6, in_channels=4,
+                                                out_channels=4, kernel=3, padding=1, groups=4), **fields}))
+    key = geometry_key({**window_geometry(spec), "M": 1})
+    fast = fast_depthwise_kernels("float32", key, True)
+    assert (fast.forward_strip, fast.backward_strip) == tuple(STRIP if s == 4 else 1 for s in strips)
+    assert (fast_depthwise_kernels("float32", key, False).forward_strip,
+            fast_depthwise_kernels("float32", key, False).backward_strip) == (1, 1)
+
+
 def assert_fast_depthwise_is_simple(fields: dict) -> None:
     from conv2d.cuda.depthwise import DepthwiseConvolutions
     from conv2d.cuda.launch import Launcher

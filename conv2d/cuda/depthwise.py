@@ -12,8 +12,10 @@ channel. The fast kernels (the default) take the layer's sizes as compile-time c
 On an H100 this path measured about 10.3 ms a MobileNetV2 step with the runtime sizes,
 4.7 ms with the constants, and 2.2 ms (float32; bfloat16 2.0) with the weights in shared
 memory and constant tap offsets: 0.68x cuDNN's graph, 1.66x PyTorch's (1.20x with batch
-norm; docs/bench_cuda.md). cuDNN stays the default until a change of default has run the
-GPU suite.
+norm; docs/bench_cuda.md). Since then the fast forward and input gradient compute a strip
+of values along the width a thread with 32-bit index arithmetic where the indices fit
+(kernels/depthwise.py; about half the instructions an output in their PTX, not yet timed
+on a GPU). cuDNN stays the default until a change of default has run the GPU suite.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from conv2d.cuda import kernels as K
-from conv2d.cuda.kernels.depthwise import (depthwise_kernels, fast_depthwise_kernels, geometry_key,
-                                           weight_partials_by_channel)
+from conv2d.cuda.kernels.depthwise import (SMALL_INDEX, depthwise_kernels, fast_depthwise_kernels, geometry_key,
+                                           strip_items, weight_partials_by_channel)
 from conv2d.cuda.kernels.layout import window_geometry
 from conv2d.cuda.launch import Launcher, LaunchKey
 from conv2d.spec import LayerSpec
@@ -59,10 +61,13 @@ class DepthwiseConvolutions:
             self._weight_partials, self._weight_sum = simple_kernels[2:]
             self._sizes_given = self._geometry  # the simple kernels take the sizes as arguments
             self._sum_sizes = {k: self._geometry[k] for k in ("OC", "KH", "KW")}
-        else:  # the sizes are the fast kernels' constants
+        strips = (1, 1)
+        if not simple:  # the sizes are the fast kernels' constants
             key = geometry_key(self._geometry)
-            fast = fast_depthwise_kernels(spec.dtype.value, key)
-            self._kernels, self._weight_sum = fast[:2], fast[2]
+            small = max(n * h * w * c, n * oh * ow * oc) <= SMALL_INDEX
+            fast = fast_depthwise_kernels(spec.dtype.value, key, small)
+            self._kernels, self._weight_sum = (fast.forward, fast.backward_data), fast.backward_filter_sum
+            strips = (fast.forward_strip, fast.backward_strip)
             self._weight_partials = weight_partials_by_channel(spec.dtype.value, key)
             self._sizes_given = self._sum_sizes = {}
         self._rows = n * oh * ow
@@ -71,7 +76,10 @@ class DepthwiseConvolutions:
         self._partials = cuda.device_array(self._P * self._taps, np.float32)
         self._dummy = cuda.device_array(1, np.float32)
         self._launches: dict = {}
-        self._sizes = {"y": n * oh * ow * oc, "x": n * h * w * c}
+        # Threads of the forward and of the input gradient: a value each, or a strip of
+        # values along the width each (the fast kernels where the indices fit 31 bits).
+        self._items = {"y": strip_items(n * oh * ow * oc, ow, strips[0]),
+                       "x": strip_items(n * h * w * c, w, strips[1])}
         self.plans = {"forward": "numba depthwise", "backward_data": "numba depthwise",
                       "backward_filter": "numba depthwise"}
 
@@ -82,13 +90,13 @@ class DepthwiseConvolutions:
 
     def forward(self, x: Any, w: Any, b: Any, y: Any, relu: bool = False) -> None:
         self._launch(self._launches, LaunchKey("depthwise_forward", fixed=(("relu", relu),)), self._kernels[0],
-                     *K.elementwise_grid(self._sizes["y"]),
+                     *K.elementwise_grid(self._items["y"]),
                      {**self._sizes_given, "has_bias": b is not None, "relu": relu},
                      x=x, w=w, b=self._dummy if b is None else b, y=y)
 
     def backward_data(self, d_z: Any, w: Any, d_x: Any) -> None:
         self._launch(self._launches, LaunchKey("depthwise_backward_data"), self._kernels[1],
-                     *K.elementwise_grid(self._sizes["x"]), self._sizes_given, d_z=d_z, w=w, d_x=d_x)
+                     *K.elementwise_grid(self._items["x"]), self._sizes_given, d_z=d_z, w=w, d_x=d_x)
 
     def backward_filter(self, x: Any, d_z: Any, d_w: Any) -> None:
         fixed = {**self._sizes_given, "partials": self._partials, "ROWS": self._rows, "P": self._P}
