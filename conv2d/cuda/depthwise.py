@@ -15,7 +15,9 @@ memory and constant tap offsets: 0.68x cuDNN's graph, 1.66x PyTorch's (1.20x wit
 norm; docs/bench_cuda.md). Since then the fast forward and input gradient compute a strip
 of values along the width a thread with 32-bit index arithmetic where the indices fit
 (kernels/depthwise.py; about half the instructions an output in their PTX, not yet timed
-on a GPU). cuDNN stays the default until a change of default has run the GPU suite.
+on a GPU), and the weight gradient's first phase sums strips of rows along the width, x
+loaded once a strip (46 PTX instructions and 5.5 loads a row against 93 and 10). cuDNN
+stays the default until a change of default has run the GPU suite.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from conv2d.cuda import kernels as K
-from conv2d.cuda.kernels.depthwise import (SMALL_INDEX, depthwise_kernels, fast_depthwise_kernels, geometry_key,
+from conv2d.cuda.kernels.depthwise import (SMALL_INDEX, STRIP, depthwise_kernels, fast_depthwise_kernels, geometry_key,
                                            strip_items, weight_partials_by_channel)
 from conv2d.cuda.kernels.layout import window_geometry
 from conv2d.cuda.launch import Launcher, LaunchKey
@@ -53,24 +55,30 @@ class DepthwiseConvolutions:
         n, h, w, c = spec.input_shape
         _, oh, ow, oc = spec.output_shape
         kh, kw = spec.kernel
-        self._simple = simple
         self._geometry = {**window_geometry(spec), "M": oc // c}
         simple_kernels = depthwise_kernels(spec.dtype.value)
+        # The weight gradient's first phase: the simple kernel (a thread a tap and
+        # channel, the sizes as arguments), or the fast one (a thread a channel, the
+        # sizes its constants) where the indices fit 31 bits.
+        self._weight_partials, self._partial_sizes = simple_kernels[2], self._geometry
+        self._fast_partials = False
+        strips = (1, 1)  # values along the width a thread of the forward, the input gradient
         if simple:
-            self._kernels = simple_kernels[:2]
-            self._weight_partials, self._weight_sum = simple_kernels[2:]
+            self._kernels, self._weight_sum = simple_kernels[:2], simple_kernels[3]
             self._sizes_given = self._geometry  # the simple kernels take the sizes as arguments
             self._sum_sizes = {k: self._geometry[k] for k in ("OC", "KH", "KW")}
-        strips = (1, 1)
-        if not simple:  # the sizes are the fast kernels' constants
+        else:  # the sizes are the fast kernels' constants
             key = geometry_key(self._geometry)
             small = max(n * h * w * c, n * oh * ow * oc) <= SMALL_INDEX
             fast = fast_depthwise_kernels(spec.dtype.value, key, small)
             self._kernels, self._weight_sum = (fast.forward, fast.backward_data), fast.backward_filter_sum
             strips = (fast.forward_strip, fast.backward_strip)
-            self._weight_partials = weight_partials_by_channel(spec.dtype.value, key)
+            if small:
+                self._weight_partials = weight_partials_by_channel(spec.dtype.value, key)
+                self._partial_sizes, self._fast_partials = {}, True
             self._sizes_given = self._sum_sizes = {}
         self._rows = n * oh * ow
+        self._strips = strip_items(self._rows, ow, STRIP)  # the weight gradient's strips of rows
         self._P = max(1, min(MAX_PARTIAL_BLOCKS, self._rows // 64))
         self._taps = oc * kh * kw
         self._partials = cuda.device_array(self._P * self._taps, np.float32)
@@ -99,9 +107,10 @@ class DepthwiseConvolutions:
                      *K.elementwise_grid(self._items["x"]), self._sizes_given, d_z=d_z, w=w, d_x=d_x)
 
     def backward_filter(self, x: Any, d_z: Any, d_w: Any) -> None:
-        fixed = {**self._sizes_given, "partials": self._partials, "ROWS": self._rows, "P": self._P}
+        fixed = {**self._partial_sizes, "partials": self._partials, "STRIPS": self._strips, "P": self._P}
         # The fast kernel: a thread a channel, every channel in one pass of the block.
-        block = K.WARP * 4 if self._simple else min(1024, -(-self.spec.out_channels // K.WARP) * K.WARP)
+        block = (min(1024, -(-self.spec.out_channels // K.WARP) * K.WARP) if self._fast_partials
+                 else K.WARP * 4)
         self._launch(self._launches, LaunchKey("depthwise_weight_partials"), self._weight_partials, self._P,
                      block, fixed, x=x, d_z=d_z)
         self._launch(self._launches, LaunchKey("depthwise_weight_sum"), self._weight_sum,

@@ -23,9 +23,11 @@ instruction sequence on the GPU where one by a constant is a multiply and shifts
   116 and 9; counted in numba's PTX for sm_90, not yet timed on a GPU).
 - `weight_partials_by_channel`: the fast phase one of the weight gradient, one thread an
   output channel, its KH*KW sums kept in registers, d_z loaded once a row where the
-  simple kernel (one thread a tap and channel) loads it KH*KW times. It adds the same
-  products in the same order (rows p, p + P, ... for each tap), so its partials are
-  bitwise the simple kernel's.
+  simple kernel (one thread a tap and channel) loads it KH*KW times, and x once a strip
+  where one row a step loads it KH*KW times a row (where the indices fit 31 bits; else
+  the simple kernel runs). It adds the same products in the same order (the strips of
+  STRIP rows along the width p, p + P, ..., each strip's rows in order, for each tap),
+  so its partials are bitwise the simple kernel's.
 tests/test_cuda_kernels.py checks both bitwise against the simple kernels.
 """
 
@@ -134,12 +136,14 @@ def depthwise_kernels(storage: str) -> tuple:
             store(d_x, i, input_gradient_value(d_z, w, i, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M))
 
     @cuda.jit
-    def backward_filter_partials(x, d_z, partials, ROWS, P, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW,
+    def backward_filter_partials(x, d_z, partials, STRIPS, P, H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW,
                                  M):
         """Phase one of d_w[oc, kh, kw] = sum over (n, oh, ow) of d_z * x: block p sums
-        the rows (n, oh, ow) p, p + P, p + 2P, ... in order into partials[p, j], j = tap *
-        OC + oc (consecutive threads, consecutive channels)."""
+        the strips p, p + P, p + 2P, ... (a strip: the rows (n, oh, ow0 .. ow0 + STRIP -
+        1), ow0 a multiple of STRIP, those below OW), each strip's rows in order, into
+        partials[p, j], j = tap * OC + oc (consecutive threads, consecutive channels)."""
         p = cuda.blockIdx.x
+        OWS = (OW + STRIP - 1) // STRIP
         for j in range(cuda.threadIdx.x, OC * KH * KW, cuda.blockDim.x):
             oc = j % OC
             tap = j // OC
@@ -147,15 +151,16 @@ def depthwise_kernels(storage: str) -> tuple:
             kw = tap % KW
             c = oc // M
             acc = ZERO
-            for row in range(p, ROWS, P):
-                ow = row % OW
-                r = row // OW
+            for strip in range(p, STRIPS, P):
+                r = strip // OWS
                 oh = r % OH
                 n = r // OH
-                ih = oh * SH - PH + kh * DH
-                iw = ow * SW - PW + kw * DW
-                if ih >= 0 and ih < H and iw >= 0 and iw < W:
-                    acc += load(d_z, row * OC + oc) * load(x, ((n * H + ih) * W + iw) * C + c)
+                for k in range(STRIP):
+                    ow = strip % OWS * STRIP + k
+                    ih = oh * SH - PH + kh * DH
+                    iw = ow * SW - PW + kw * DW
+                    if ow < OW and ih >= 0 and ih < H and iw >= 0 and iw < W:
+                        acc += load(d_z, ((n * OH + oh) * OW + ow) * OC + oc) * load(x, ((n * H + ih) * W + iw) * C + c)
             partials[p * OC * KH * KW + j] = acc
 
     @cuda.jit
@@ -416,36 +421,58 @@ SHARED_WEIGHTS = 4096
 @functools.lru_cache(maxsize=None)
 def weight_partials_by_channel(storage: str, geometry: tuple) -> object:
     """The fast phase one of d_w (see the module docstring) with `geometry` (geometry_key's
-    tuple) compile-time constants: block p, thread oc (every blockDim-th channel) sums the
-    rows (n, oh, ow) p, p + P, ... in order into its KH*KW taps, written to partials[p,
-    tap * OC + oc] as the simple kernel's."""
+    tuple) compile-time constants, for indices of x and d_z that fit 31 bits (uint32
+    arithmetic, as `_strip_kernels`): block p, thread oc (every blockDim-th channel) sums
+    the strips p, p + P, ... (the simple kernel's) into its KH*KW taps, written to
+    partials[p, tap * OC + oc] as the simple kernel's. A strip's STRIP values of d_z are
+    loaded first, then each input column of a window row once for every tap and row of
+    the strip that reads it (j = r * SW + kw * DW: for one tap, the rows come in order),
+    where one row a step loads x KH*KW times a row."""
     load = storage_io(storage).load
     H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M = geometry
     TAPS = KH * KW
+    R = STRIP
+    SPAN = (R - 1) * SW + (KW - 1) * DW + 1
+    U = np.uint32
+    H_, W_, C_, OH_, OW_, OC_, M_ = (U(v) for v in (H, W, C, OH, OW, OC, M))
+    SH_, SW_, PH_, PW_, R_ = (U(v) for v in (SH, SW, PH, PW, R))
+    OWS_ = U(-(-OW // R))
 
     @cuda.jit
-    def weight_partials(x, d_z, partials, ROWS, P):
+    def weight_partials(x, d_z, partials, STRIPS, P):
         p = cuda.blockIdx.x
         acc = cuda.local.array(TAPS, dtype=np.float32)
+        g = cuda.local.array(R, dtype=np.float32)
         for oc in range(cuda.threadIdx.x, OC, cuda.blockDim.x):
-            c = oc // M
+            ocu = U(oc)
+            c = ocu // M_
             for j in range(TAPS):
                 acc[j] = ZERO
-            for row in range(p, ROWS, P):
-                ow = row % OW
-                r = row // OW
-                oh = r % OH
-                n = r // OH
-                g = load(d_z, np.uint64(row * OC + oc))
-                ih0 = oh * SH - PH
-                iw0 = ow * SW - PW
-                corner = ((n * H + ih0) * W + iw0) * C + c  # as in output_value
+            for strip in range(p, STRIPS, P):
+                u = U(strip)
+                ow0 = u % OWS_ * R_
+                s = u // OWS_
+                oh = s % OH_
+                n = s // OH_
+                out = (n * OH_ + oh) * OW_ + ow0
+                for k in range(R):
+                    if ow0 + U(k) < OW_:
+                        g[k] = load(d_z, (out + U(k)) * OC_ + ocu)
+                ih0 = oh * SH_  # + PH: shifted by the padding, never below zero
+                iw0 = ow0 * SW_  # + PW
                 for kh in range(KH):
-                    ih = ih0 + kh * DH
-                    for kw in range(KW):
-                        iw = iw0 + kw * DW
-                        if ih >= 0 and ih < H and iw >= 0 and iw < W:
-                            acc[kh * KW + kw] += g * load(x, np.uint64(corner + (kh * DH * W + kw * DW) * C))
+                    ih = ih0 + U(kh * DH)
+                    if ih >= PH_ and ih < H_ + PH_:
+                        row = (n * H_ + ih - PH_) * W_
+                        for j in range(SPAN):
+                            iw = iw0 + U(j)
+                            if iw >= PW_ and iw < W_ + PW_:
+                                v = load(x, (row + iw - PW_) * C_ + c)
+                                for kw in range(KW):
+                                    rem = j - kw * DW
+                                    if rem >= 0 and rem % SW == 0 and rem // SW < R:
+                                        if ow0 + U(rem // SW) < OW_:
+                                            acc[kh * KW + kw] += g[rem // SW] * v
             for j in range(TAPS):
                 partials[p * OC * TAPS + j * OC + oc] = acc[j]
     return weight_partials
