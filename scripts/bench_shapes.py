@@ -8,6 +8,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Iterator
@@ -78,6 +79,17 @@ def inputs(spec: LayerSpec) -> tuple[np.ndarray, np.ndarray]:
     x = rng.standard_normal(spec.input_shape, dtype=np.float32).astype(st)
     dy = rng.standard_normal(spec.output_shape, dtype=np.float32).astype(st)
     return x, dy
+
+
+def per_call_us(run, n: int, sync) -> float:
+    """Microseconds a call of `run()` over `n` calls, `sync()` (the GPU's, or nothing)
+    before and after: a host-bound call shows its host time."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        run()
+    sync()
+    return (time.perf_counter() - t0) * 1e6 / n
 
 
 def _version(dist: str) -> str:

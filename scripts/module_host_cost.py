@@ -22,11 +22,10 @@ import argparse
 import cProfile
 import pstats
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import SHAPES, bench_spec, provenance  # noqa: E402
+from bench_shapes import SHAPES, bench_spec, per_call_us, provenance  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -101,12 +100,7 @@ def stub_backend(model: nn.Module, x: torch.Tensor) -> None:
 def host_us(run, n: int, sync) -> float:
     for _ in range(max(10, n // 10)):  # warm-up: plans, CUDA graphs of the module's calls
         run()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        run()
-    sync()
-    return (time.perf_counter() - t0) * 1e6 / n
+    return per_call_us(run, n, sync)
 
 
 def profile_rows(run, n: int, top: int) -> list[tuple[str, float, int]]:

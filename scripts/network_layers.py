@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_networks import NETWORKS, models  # noqa: E402
-from bench_shapes import provenance  # noqa: E402
+from bench_shapes import per_call_us, provenance  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -47,15 +46,6 @@ def layer_inputs(model: torch.nn.Module, x: torch.Tensor) -> list[tuple[torch.nn
         for h in hooks:
             h.remove()
     return seen
-
-
-def per_call_us(run, iters: int, sync) -> float:
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        run()
-    sync()
-    return (time.perf_counter() - t0) * 1e6 / iters
 
 
 def calls(layer: torch.nn.Module, x: torch.Tensor, first: bool) -> dict:
