@@ -640,6 +640,41 @@ def test_eager_outputs_are_fresh_arrays_each_call(norm):
     np.testing.assert_array_equal(to_host(dx1), first_dx)
 
 
+_STORED_PLANS = """
+import json, sys
+from conv2d import Conv2d, LayerSpec
+from conv2d.cuda import plan_store
+spec = LayerSpec(batch_size=16, in_height=20, in_width=20, in_channels=8, out_channels=16, kernel=3, padding=1,
+                 normalization="batch_norm", dtype=sys.argv[1])
+layer = Conv2d(spec, "cuda", autotune=True)
+print(json.dumps({"plans": layer.functions.conv_plans, "counts": plan_store.current().counts}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_second_process_builds_the_autotuned_plans_a_first_one_stored_without_timing(tmp_path, dtype):
+    """CONV2D_PLAN_STORE (conv2d.cuda.plan_store): the first process times each graph's
+    plans and stores its choices; a fresh one finds every graph stored and builds the same
+    plans (each process its own, as cuDNN's graphs are cached per process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CONV2D_PLAN_STORE=str(tmp_path / "plans.json"))
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _STORED_PLANS, dtype], capture_output=True, text=True, env=env,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    graphs = len(first["plans"])
+    assert graphs >= 3 and first["counts"] == {"hits": 0, "misses": graphs}, first
+    assert second["counts"] == {"hits": graphs, "misses": 0} and second["plans"] == first["plans"], (first, second)
+    assert len(json.loads((tmp_path / "plans.json").read_text())["plans"]) == graphs
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_autotuned_plans_match_the_reference_and_repeat_bitwise(dtype):
     spec = spec_for("relu", "batch_norm", dtype, batch_size=16, in_height=20, in_width=20, in_channels=8,

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from conv2d.cuda import plan_store
 from conv2d.cuda.launch import device_pointer
 from conv2d.cuda.runtime import INSTALL_HINT, CudaUnavailableError, to_device_bits
 from conv2d.dtypes import storage_dtype
@@ -276,9 +277,10 @@ def _failure(op: str, spec: LayerSpec, e: Exception,
 
 
 def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autotune: Any = None,
-           config: Any = None, modes: tuple[str, ...] | None = None) -> Graph:
-    """The built graph: cuDNN's heuristic choice, the fastest with `autotune`, or the
-    recorded `config` (engine id, frozenset of (knob, value))."""
+           config: Any = None, modes: tuple[str, ...] | None = None, chosen: dict | None = None) -> Graph:
+    """The built graph: cuDNN's heuristic choice, the fastest with `autotune` (its
+    engine and knobs into `chosen`, see `_autotune`), or the recorded `config` (engine
+    id, frozenset of (knob, value))."""
     cudnn = _import_cudnn()
     if spec.pads_with_copies:
         raise ValueError(f"cuDNN pads with zeros only; pad the input first (padding_mode={spec.padding_mode!r})")
@@ -286,7 +288,7 @@ def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autotune: An
         g, t = _planned(op, spec, handle, allow_tf32, config, modes)
         plan = None
         if autotune is not None:
-            plan = _autotune(cudnn, g, t, autotune)
+            plan = _autotune(cudnn, g, t, autotune, chosen)
         if plan is None:
             g.build_plans()
         workspace = int(g.get_workspace_size())
@@ -306,12 +308,13 @@ def _build(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autotune: An
 AUTOTUNE_MAX_WORKSPACE = 1 << 30
 
 
-def _autotune(cudnn: Any, g: Any, tensors: dict, bench: Any) -> int | None:
+def _autotune(cudnn: Any, g: Any, tensors: dict, bench: Any, chosen: dict | None = None) -> int | None:
     """Build every plan, time each on random data (`bench(tensors, workspace, run)`
     returns ms) and pin the fastest; plans within 2% of it count as equal and the
     heuristic's earlier rank wins, so that noise changes the choice less often. Returns
     the index, or None where no plan could be timed (the caller builds the heuristic's
-    choice)."""
+    choice). `chosen` (a dict) receives the pinned plan's "engine" id and "knobs" ({knob
+    name: choice}), for a plan store."""
     g.build_plans(cudnn.build_plan_policy.ALL)
     timed = []
     for i in range(g.get_execution_plan_count()):
@@ -327,6 +330,9 @@ def _autotune(cudnn: Any, g: Any, tensors: dict, bench: Any) -> int | None:
         return None
     fastest = min(ms for ms, _ in timed)
     best = min(i for ms, i in timed if ms <= fastest * 1.02)
+    if chosen is not None:
+        engine, knobs = g.get_engine_and_knobs_at_index(best)
+        chosen.update(engine=int(engine), knobs={k.name: int(v) for k, v in dict(knobs or {}).items()})
     g.select_plan(best)
     g.build_plans()
     return best
@@ -378,8 +384,35 @@ def graph(op: str, spec: LayerSpec, device: int, allow_tf32: bool, handle: Any, 
     if accuracy is not None and autotune is None and spec.dtype is DType.FLOAT32 and not tf32:
         return _cached((op, _conv_key(spec), device, tf32, False, "accurate"),
                        lambda: _build_accurate(op, spec, handle, accuracy))
+    store = plan_store.current() if autotune is not None else None
+    if store is not None:
+        return _cached((op, _conv_key(spec), device, tf32, True),
+                       lambda: _build_stored(op, spec, handle, allow_tf32, autotune, store))
     return _cached((op, _conv_key(spec), device, tf32, autotune is not None),
                    lambda: _build(op, spec, handle, allow_tf32, autotune))
+
+
+def _build_stored(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autotune: Any,
+                  store: plan_store.PlanStore) -> Graph:
+    """The autotuned graph with a plan store (conv2d.cuda.plan_store): the plan stored for
+    this GPU, cuDNN and graph, built without timing; else (or where this cuDNN cannot
+    build it) timed now, and the choice stored."""
+    cudnn = _import_cudnn()
+    key = store.key(device=autotune.device_name(), cudnn=int(cudnn.backend_version()), frontend=cudnn.__version__,
+                    op=op, convolution=_conv_key(spec), tf32=bool(allow_tf32) and spec.dtype is DType.FLOAT32)
+    found = store.get(key)
+    if found is not None:
+        engine, knobs = found
+        try:
+            config = (engine, frozenset((getattr(cudnn.knob_type, name), v) for name, v in knobs.items()))
+            return _build(op, spec, handle, allow_tf32, config=config)
+        except (CudnnError, AttributeError):
+            pass  # another cuDNN build's choice: timed again below, and replaced
+    chosen: dict = {}
+    built = _build(op, spec, handle, allow_tf32, autotune, chosen=chosen)
+    if chosen:
+        store.put(key, chosen["engine"], chosen["knobs"])
+    return built
 
 
 # Accuracy. Strict float32 takes heuristic mode B's first plan (faster than mode A's on
@@ -692,6 +725,12 @@ class _Bench(_DeviceInputs):
     def at(self, spec: LayerSpec) -> "_Bench":
         """The same timer for another spec (another batch size)."""
         return _Bench(self.cuda, spec, self.stream_ptr, self.handle)
+
+    def device_name(self) -> str:
+        """The current GPU's name and compute capability (a plan store's key part)."""
+        dev = self.cuda.get_current_device()
+        name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+        return f"{name} (sm_{dev.compute_capability[0]}{dev.compute_capability[1]})"
 
     def _role_buffer(self, role: str):
         s = self.spec
