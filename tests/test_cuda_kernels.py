@@ -434,7 +434,12 @@ def test_the_padding_kernels_are_the_references_pad_and_its_adjoint(mode, pads):
 DEPTHWISE_CASES = {"plain": dict(), "stride2_valid": dict(stride=2, padding=0),
                    "multiplier2_same_dilated": dict(out_channels=8, padding="same", dilation=2),
                    "reflect_asymmetric": dict(padding=((1, 2), (0, 1)), padding_mode="reflect", kernel=(3, 2)),
-                   "layer_norm_no_bias": dict(bias=False, normalization="layer_norm", activation="silu")}
+                   "layer_norm_no_bias": dict(bias=False, normalization="layer_norm", activation="silu"),
+                   # The fast kernels' strips along the width at their edges: a stride and a dilation
+                   # together (a strip's input column serves taps of several values), an odd width,
+                   # and one column.
+                   "stride2_dilated_odd_width": dict(stride=2, dilation=2, padding=2, in_width=9),
+                   "one_column": dict(in_width=1, kernel=(3, 1), padding=(1, 0))}
 # 576 rows: 9 partial blocks of the weight gradient, whose fast phase two adds a group of 8, then 1.
 FAST_DEPTHWISE_CASES = {**DEPTHWISE_CASES, "nine_partial_blocks": dict(batch_size=12, in_height=8, in_width=6)}
 
