@@ -439,7 +439,9 @@ DEPTHWISE_CASES = {"plain": dict(), "stride2_valid": dict(stride=2, padding=0),
                    # together (a strip's input column serves taps of several values), an odd width,
                    # and one column.
                    "stride2_dilated_odd_width": dict(stride=2, dilation=2, padding=2, in_width=9),
-                   "one_column": dict(in_width=1, kernel=(3, 1), padding=(1, 0))}
+                   "one_column": dict(in_width=1, kernel=(3, 1), padding=(1, 0)),
+                   # An odd channel count: the float32 forward's strips one channel a thread.
+                   "three_channels": dict(in_channels=3, out_channels=3, groups=3)}
 # 576 rows: 9 partial blocks of the weight gradient, whose fast phase two adds a group of 8, then 1.
 FAST_DEPTHWISE_CASES = {**DEPTHWISE_CASES, "nine_partial_blocks": dict(batch_size=12, in_height=8, in_width=6)}
 
@@ -477,6 +479,13 @@ def test_the_fast_depthwise_kernels_are_bitwise_the_simple_ones(case):
     the taps in registers) add the simple kernels' products in the simple kernels' order:
     y, d_x and d_w bitwise theirs."""
     assert_fast_depthwise_is_simple(FAST_DEPTHWISE_CASES[case])
+
+
+@pytest.mark.parametrize("case", ["plain", "stride2_valid"])
+def test_the_fast_depthwise_kernels_are_bitwise_the_simple_ones_in_bfloat16(case):
+    """The same in bfloat16, whose forward a thread computes for 4 channels (8 bytes of
+    x and of y a load and a store)."""
+    assert_fast_depthwise_is_simple(FAST_DEPTHWISE_CASES[case], "bfloat16")
 
 
 def test_the_fast_depthwise_kernels_read_weights_too_many_for_shared_memory_from_w(monkeypatch):
@@ -520,32 +529,36 @@ def test_the_fast_depthwise_kernels_compute_strips_along_the_width_where_indices
             fast_depthwise_kernels("float32", key, False).backward_strip) == (1, 1)
 
 
-def assert_fast_depthwise_is_simple(fields: dict) -> None:
+def assert_fast_depthwise_is_simple(fields: dict, dtype: str = "float32") -> None:
     from conv2d.cuda.depthwise import DepthwiseConvolutions
     from conv2d.cuda.launch import Launcher
     from conv2d.cuda.plans import convolution_spec
+    from conv2d.cuda.runtime import to_device_bits
+    from conv2d.dtypes import storage_dtype
 
     spec = convolution_spec(LayerSpec(**{**dict(batch_size=3, in_height=7, in_width=6, in_channels=4,
-                                                out_channels=4, kernel=3, padding=1, groups=4, dtype="float32"),
+                                                out_channels=4, kernel=3, padding=1, groups=4, dtype=dtype),
                                          **fields}))
-    x, d_z = (cuda.to_device(a.reshape(-1)) for a in random_inputs(spec))
+    st = storage_dtype(spec.dtype)
+    x, d_z = (cuda.to_device(to_device_bits(a.reshape(-1))) for a in random_inputs(spec))
     rng = np.random.default_rng(1)
-    w = cuda.to_device(rng.standard_normal(math.prod(spec.weight_shape)).astype(np.float32))
-    b = cuda.to_device(rng.standard_normal(spec.out_channels).astype(np.float32))
+    w, b = (cuda.to_device(to_device_bits(rng.standard_normal(size).astype(st)))
+            for size in (math.prod(spec.weight_shape), spec.out_channels))
+    bits = to_device_bits(np.zeros(1, st)).dtype
     stream = cuda.stream()
     results = {}
     for simple in (True, False):
         conv = DepthwiseConvolutions(cuda, spec, Launcher(lambda: stream, False), simple)
-        y = cuda.device_array(math.prod(spec.output_shape), np.float32)
-        d_x = cuda.device_array(math.prod(spec.input_shape), np.float32)
-        d_w = cuda.device_array(math.prod(spec.weight_shape), np.float32)
+        y, d_x, d_w = (cuda.device_array(math.prod(shape), bits)
+                       for shape in (spec.output_shape, spec.input_shape, spec.weight_shape))
         conv.forward(x, w, b, y, relu=True)
         conv.backward_data(d_z, w, d_x)
         conv.backward_filter(x, d_z, d_w)
         results[simple] = [a.copy_to_host(stream=stream) for a in (y, d_x, d_w)]
     stream.synchronize()
+    as_bits = np.uint32 if bits == np.float32 else bits
     for name, fast, simple in zip(("y", "d_x", "d_w"), results[False], results[True]):
-        np.testing.assert_array_equal(fast.view(np.uint32), simple.view(np.uint32), err_msg=name)
+        np.testing.assert_array_equal(fast.view(as_bits), simple.view(as_bits), err_msg=name)
 
 
 def test_the_numba_depthwise_convolutions_refuse_a_layer_that_is_not_depthwise():

@@ -13,11 +13,12 @@ On an H100 this path measured about 10.3 ms a MobileNetV2 step with the runtime 
 4.7 ms with the constants, and 2.2 ms (float32; bfloat16 2.0) with the weights in shared
 memory and constant tap offsets: 0.68x cuDNN's graph, 1.66x PyTorch's (1.20x with batch
 norm; docs/bench_cuda.md). Since then the fast forward and input gradient compute a strip
-of values along the width a thread with 32-bit index arithmetic where the indices fit
-(kernels/depthwise.py; about half the instructions an output in their PTX, not yet timed
-on a GPU), and the weight gradient's first phase sums strips of rows along the width, x
-loaded once a strip (46 PTX instructions and 5.5 loads a row against 93 and 10). cuDNN
-stays the default until a change of default has run the GPU suite.
+of values along the width a thread with 32-bit index arithmetic where the indices fit,
+the forward over 8 bytes of channels a thread where x and y are 8-byte aligned, and the
+weight gradient's first phase sums strips of rows along the width, x loaded once a
+strip (kernels/depthwise.py: a third of the SASS instructions and half the loads an
+output or row, not yet timed on a GPU). cuDNN stays the default until a change of
+default has run the GPU suite.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from conv2d.cuda import kernels as K
 from conv2d.cuda.kernels.depthwise import (SMALL_INDEX, STRIP, depthwise_kernels, fast_depthwise_kernels, geometry_key,
                                            strip_items, weight_partials_by_channel)
 from conv2d.cuda.kernels.layout import window_geometry
-from conv2d.cuda.launch import Launcher, LaunchKey
+from conv2d.cuda.launch import Launcher, LaunchKey, device_pointer
 from conv2d.spec import LayerSpec
 
 # Blocks of the weight gradient's first phase: each sums every P-th row (n, oh, ow). The
@@ -63,6 +64,7 @@ class DepthwiseConvolutions:
         self._weight_partials, self._partial_sizes = simple_kernels[2], self._geometry
         self._fast_partials = False
         strips = (1, 1)  # values along the width a thread of the forward, the input gradient
+        self._vector = None  # the forward over 8 bytes of channels a thread, and its threads
         if simple:
             self._kernels, self._weight_sum = simple_kernels[:2], simple_kernels[3]
             self._sizes_given = self._geometry  # the simple kernels take the sizes as arguments
@@ -73,6 +75,8 @@ class DepthwiseConvolutions:
             fast = fast_depthwise_kernels(spec.dtype.value, key, small)
             self._kernels, self._weight_sum = (fast.forward, fast.backward_data), fast.backward_filter_sum
             strips = (fast.forward_strip, fast.backward_strip)
+            if fast.forward_vector is not None:
+                self._vector = (fast.forward_vector, strip_items(n * oh * ow * oc, ow, STRIP) // fast.forward_lanes)
             if small:
                 self._weight_partials = weight_partials_by_channel(spec.dtype.value, key)
                 self._partial_sizes, self._fast_partials = {}, True
@@ -97,10 +101,15 @@ class DepthwiseConvolutions:
             launch.release()
 
     def forward(self, x: Any, w: Any, b: Any, y: Any, relu: bool = False) -> None:
+        fixed = {**self._sizes_given, "has_bias": b is not None, "relu": relu}
+        arrays = dict(x=x, w=w, b=self._dummy if b is None else b, y=y)
+        if self._vector is not None and device_pointer(x) % 8 == 0 and device_pointer(y) % 8 == 0:
+            kernel, items = self._vector
+            self._launch(self._launches, LaunchKey("depthwise_forward_vector", fixed=(("relu", relu),)), kernel,
+                         *K.elementwise_grid(items), fixed, **arrays)
+            return
         self._launch(self._launches, LaunchKey("depthwise_forward", fixed=(("relu", relu),)), self._kernels[0],
-                     *K.elementwise_grid(self._items["y"]),
-                     {**self._sizes_given, "has_bias": b is not None, "relu": relu},
-                     x=x, w=w, b=self._dummy if b is None else b, y=y)
+                     *K.elementwise_grid(self._items["y"]), fixed, **arrays)
 
     def backward_data(self, d_z: Any, w: Any, d_x: Any) -> None:
         self._launch(self._launches, LaunchKey("depthwise_backward_data"), self._kernels[1],

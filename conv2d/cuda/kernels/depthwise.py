@@ -17,17 +17,22 @@ instruction sequence on the GPU where one by a constant is a multiply and shifts
   same order as the simple ones: bitwise theirs. Where x's and y's indices fit 31 bits
   (`small`), a thread computes a strip of STRIP values along the width, its index
   arithmetic in 32 bits, the weights and each input column loaded once a strip
-  (`_strip_kernels`; the input gradient at stride 1, else one thread a value): on the
-  MobileNetV2 shape 66 PTX instructions and 5.5 global loads an output where one
-  thread a value takes 130 and 10 (the forward; the input gradient 47 and 4.5 against
-  116 and 9; counted in numba's PTX for sm_90, not yet timed on a GPU).
+  (`_strip_kernels`; the input gradient at stride 1, else one thread a value), and
+  where the channel multiplier is 1 the forward a strip of 8 bytes of channels
+  (`_vector_forward`: 2 float32, 4 16-bit values). SASS for sm_90 of the MobileNetV2
+  shape (ptxas and nvdisasm over numba's PTX, on a machine without a GPU; instructions
+  and global loads an output in the innermost loop): forward 187 and 9 one value a
+  thread, 63 and 5.5 a strip, 67 and 3.3 a strip of float32 pairs (bfloat16: 81 and 5.5
+  a strip, 67 and 2.1 over 4 channels); input gradient 178 and 9, 48 and 4.5 a strip.
+  Not yet timed on a GPU.
 - `weight_partials_by_channel`: the fast phase one of the weight gradient, one thread an
   output channel, its KH*KW sums kept in registers, d_z loaded once a row where the
   simple kernel (one thread a tap and channel) loads it KH*KW times, and x once a strip
   where one row a step loads it KH*KW times a row (where the indices fit 31 bits; else
   the simple kernel runs). It adds the same products in the same order (the strips of
   STRIP rows along the width p, p + P, ..., each strip's rows in order, for each tap),
-  so its partials are bitwise the simple kernel's.
+  so its partials are bitwise the simple kernel's (SASS as above: 45 instructions and
+  5.5 loads a row and channel against 134 and 10 one row a step).
 tests/test_cuda_kernels.py checks both bitwise against the simple kernels.
 """
 
@@ -39,7 +44,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from conv2d.cuda.kernels.activation import ZERO
-from conv2d.cuda.kernels.bits import storage_io
+from conv2d.cuda.kernels.bits import load_u64, storage_io, store_u64
 from conv2d.cuda.kernels.layout import nhwc_position
 from conv2d.cuda.runtime import numba_cuda
 
@@ -188,13 +193,18 @@ def geometry_key(geometry: dict) -> tuple:
 
 class FastDepthwise(NamedTuple):
     """`fast_depthwise_kernels`' kernels, and the outputs along W a thread of each of the
-    first two computes (1: one thread a value; see `strip_items`)."""
+    first two computes (1: one thread a value; see `strip_items`). `forward_lanes`: the
+    channels a thread of `forward_vector` computes (its strip for each; x and y read and
+    written 8 bytes at a time), or None where there is no such kernel; it needs x and y
+    8-byte aligned, the caller checks."""
 
     forward: Any
     backward_data: Any
     backward_filter_sum: Any
     forward_strip: int
     backward_strip: int
+    forward_vector: Any = None
+    forward_lanes: int | None = None
 
 
 def strip_items(size: int, width: int, strip: int) -> int:
@@ -273,9 +283,96 @@ def fast_depthwise_kernels(storage: str, geometry: tuple, small: bool = False) -
     if not small:
         return FastDepthwise(forward, backward_data, backward_filter_sum, 1, 1)
     strip_forward, strip_backward = _strip_kernels(storage, geometry, shared, block_weights)
+    vector, lanes = _vector_forward(storage, geometry, shared, block_weights)
     if strip_backward is None:
-        return FastDepthwise(strip_forward, backward_data, backward_filter_sum, STRIP, 1)
-    return FastDepthwise(strip_forward, strip_backward, backward_filter_sum, STRIP, STRIP)
+        return FastDepthwise(strip_forward, backward_data, backward_filter_sum, STRIP, 1, vector, lanes)
+    return FastDepthwise(strip_forward, strip_backward, backward_filter_sum, STRIP, STRIP, vector, lanes)
+
+
+def _vector_forward(storage: str, geometry: tuple, shared: bool, block_weights: Any) -> tuple:
+    """(kernel, lanes) or (None, None): the strip forward of `_strip_kernels` for LANES
+    consecutive channels a thread (the 8 bytes of one `load_u64`: 2 float32 values, 4
+    16-bit ones), each input column read with one load and each strip of outputs written
+    with one store a column, where the layer's channel multiplier is 1 and LANES divides
+    C. Each value's sum is the strip kernel's (its taps in order, the bias, the ReLU), and
+    its stored bits too (`encode` gives the bits `store` writes)."""
+    io = storage_io(storage)
+    load, part, encode = io.load, io.part, io.encode
+    H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M = geometry
+    width = 32 if storage == "float32" else 16
+    LANES = 64 // width
+    if M != 1 or C % LANES:
+        return None, None
+    TAPS = KH * KW
+    R = STRIP
+    SPAN = (R - 1) * SW + (KW - 1) * DW + 1
+    U = np.uint32
+    H_, W_, OH_, OW_, C_ = (U(v) for v in (H, W, OH, OW, C))
+    SH_, SW_, PH_, PW_, R_, LANES_ = (U(v) for v in (SH, SW, PH, PW, R, LANES))
+    OWS_, GROUPS_ = U(-(-OW // R)), U(C // LANES)  # strips a row of y, channel groups
+    WIDTH = np.uint64(width)
+    ACC, WK = R * LANES, TAPS * LANES  # local arrays' sizes: compile-time constants
+
+    if shared:
+        @cuda.jit(device=True, inline=True)
+        def tap_weight(w_t, oc, tap):
+            return w_t[U(tap * OC) + oc]
+    else:
+        @cuda.jit(device=True, inline=True)
+        def tap_weight(w_t, oc, tap):
+            return load(w_t, oc * U(TAPS) + U(tap))
+
+    @cuda.jit
+    def forward(x, w, b, has_bias, relu, y):
+        w_t = block_weights(w)
+        acc = cuda.local.array(ACC, dtype=np.float32)
+        wk = cuda.local.array(WK, dtype=np.float32)
+        total = y.size // (OW * OC) * (-(-OW // R)) * (C // LANES)
+        for t in range(cuda.grid(1), total, cuda.gridsize(1)):
+            u = U(t)
+            c0 = u % GROUPS_ * LANES_
+            s = u // GROUPS_
+            ow0 = s % OWS_ * R_
+            s = s // OWS_
+            oh = s % OH_
+            n = s // OH_
+            ih0 = oh * SH_  # + PH, as in the strip kernel
+            iw0 = ow0 * SW_
+            for tap in range(TAPS):
+                for k in range(LANES):
+                    wk[tap * LANES + k] = tap_weight(w_t, c0 + U(k), tap)
+            for i in range(ACC):
+                acc[i] = ZERO
+            for kh in range(KH):
+                ih = ih0 + U(kh * DH)
+                if ih >= PH_ and ih < H_ + PH_:
+                    row = (n * H_ + ih - PH_) * W_
+                    for j in range(SPAN):
+                        iw = iw0 + U(j)
+                        if iw >= PW_ and iw < W_ + PW_:
+                            raw = load_u64(x, ((row + iw - PW_) * C_ + c0) // LANES_)
+                            for kw in range(KW):
+                                rem = j - kw * DW
+                                if rem >= 0 and rem % SW == 0 and rem // SW < R:
+                                    if ow0 + U(rem // SW) < OW_:
+                                        for k in range(LANES):
+                                            acc[(rem // SW) * LANES + k] += (part(raw, k)
+                                                                             * wk[(kh * KW + kw) * LANES + k])
+            out = (n * OH_ + oh) * OW_ + ow0
+            for r in range(R):
+                if ow0 + U(r) < OW_:
+                    packed = np.uint64(0)
+                    for k in range(LANES):
+                        v = acc[r * LANES + k]
+                        if has_bias:
+                            v += load(b, c0 + U(k))
+                        if relu and v < ZERO:
+                            v = ZERO
+                        bits, _ = encode(v)
+                        packed |= bits << (WIDTH * np.uint64(k))
+                    store_u64(y, ((out + U(r)) * C_ + c0) // LANES_, packed)
+
+    return forward, LANES
 
 
 def _strip_kernels(storage: str, geometry: tuple, shared: bool, block_weights: Any) -> tuple:
