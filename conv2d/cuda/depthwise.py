@@ -64,7 +64,7 @@ class DepthwiseConvolutions:
         self._weight_partials, self._partial_sizes = simple_kernels[2], self._geometry
         self._fast_partials = False
         strips = (1, 1)  # values along the width a thread of the forward, the input gradient
-        self._vector = None  # the forward over 8 bytes of channels a thread, and its threads
+        self._vector: dict = {}  # "y"/"x": (the forward / input gradient over 8 bytes of channels, threads)
         if simple:
             self._kernels, self._weight_sum = simple_kernels[:2], simple_kernels[3]
             self._sizes_given = self._geometry  # the simple kernels take the sizes as arguments
@@ -76,7 +76,9 @@ class DepthwiseConvolutions:
             self._kernels, self._weight_sum = (fast.forward, fast.backward_data), fast.backward_filter_sum
             strips = (fast.forward_strip, fast.backward_strip)
             if fast.forward_vector is not None:
-                self._vector = (fast.forward_vector, strip_items(n * oh * ow * oc, ow, STRIP) // fast.forward_lanes)
+                self._vector["y"] = (fast.forward_vector, strip_items(n * oh * ow * oc, ow, STRIP) // fast.lanes)
+            if fast.backward_vector is not None:
+                self._vector["x"] = (fast.backward_vector, strip_items(n * h * w * c, w, STRIP) // fast.lanes)
             if small:
                 self._weight_partials = weight_partials_by_channel(spec.dtype.value, key)
                 self._partial_sizes, self._fast_partials = {}, True
@@ -103,8 +105,8 @@ class DepthwiseConvolutions:
     def forward(self, x: Any, w: Any, b: Any, y: Any, relu: bool = False) -> None:
         fixed = {**self._sizes_given, "has_bias": b is not None, "relu": relu}
         arrays = dict(x=x, w=w, b=self._dummy if b is None else b, y=y)
-        if self._vector is not None and device_pointer(x) % 8 == 0 and device_pointer(y) % 8 == 0:
-            kernel, items = self._vector
+        if "y" in self._vector and device_pointer(x) % 8 == 0 and device_pointer(y) % 8 == 0:
+            kernel, items = self._vector["y"]
             self._launch(self._launches, LaunchKey("depthwise_forward_vector", fixed=(("relu", relu),)), kernel,
                          *K.elementwise_grid(items), fixed, **arrays)
             return
@@ -112,6 +114,11 @@ class DepthwiseConvolutions:
                      *K.elementwise_grid(self._items["y"]), fixed, **arrays)
 
     def backward_data(self, d_z: Any, w: Any, d_x: Any) -> None:
+        if "x" in self._vector and device_pointer(d_z) % 8 == 0 and device_pointer(d_x) % 8 == 0:
+            kernel, items = self._vector["x"]
+            self._launch(self._launches, LaunchKey("depthwise_backward_data_vector"), kernel,
+                         *K.elementwise_grid(items), self._sizes_given, d_z=d_z, w=w, d_x=d_x)
+            return
         self._launch(self._launches, LaunchKey("depthwise_backward_data"), self._kernels[1],
                      *K.elementwise_grid(self._items["x"]), self._sizes_given, d_z=d_z, w=w, d_x=d_x)
 
