@@ -14,7 +14,7 @@ On an H100 this path measured about 10.3 ms a MobileNetV2 step with the runtime 
 memory and constant tap offsets: 0.68x cuDNN's graph, 1.66x PyTorch's (1.20x with batch
 norm; docs/bench_cuda.md). Since then the fast forward and input gradient compute a strip
 of values along the width a thread with 32-bit index arithmetic where the indices fit,
-the forward over 8 bytes of channels a thread where x and y are 8-byte aligned, and the
+both over 8 bytes of channels a thread where their arrays are 8-byte aligned, and the
 weight gradient's first phase sums strips of rows along the width, x loaded once a
 strip (kernels/depthwise.py: a third of the SASS instructions and half the loads an
 output or row, not yet timed on a GPU). cuDNN stays the default until a change of
