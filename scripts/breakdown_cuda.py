@@ -8,10 +8,14 @@ one channel a thread).
     python scripts/breakdown_cuda.py [--shapes resnet_28,rl_small] [--dtypes bfloat16] [--bn 1]
                                      [--max-blocks 1056,264] [--unroll 4,8] [--wide 1,0]
                                      [--phase-two-unroll 4,16] [--phase-group 16,32] [--steps 20]
-                                     [--depthwise-kernel numba]
+                                     [--depthwise-kernel numba] [--depthwise-variants vector,strip,value]
 
 `--depthwise-kernel numba` runs a depthwise shape's convolutions through the numba kernels
-(the backend option of that name).
+(the backend option of that name); `--depthwise-variants` times them as the backend picks
+them ("vector": 8 bytes of channels a thread where it can) and with the choices below it
+forced ("strip": a strip of values along the width a thread, one channel; "value": one
+value a thread with 64-bit indices and the simple weight gradient, as for a layer whose
+indices pass 31 bits), to compare the kernels in one run.
 
 Row kernels also print the bandwidth they reach: the bytes they must move (z read; d_y
 read by the gradient passes; y or d_z written) over their time. Events between launches
@@ -21,6 +25,7 @@ add a little time to each piece; the graph column has none.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from collections import defaultdict
@@ -33,6 +38,29 @@ from bench_shapes import bench_spec, inputs  # noqa: E402
 
 # Values of (M, C) each row pass reads and writes: z, plus d_y, plus y or d_z.
 ROW_TRAFFIC = {"batch_norm_statistics": 1, "normalise_and_activate": 2, "norm_gradients": 2, "grad_pre_activations": 3}
+
+
+VARIANTS = ("vector", "strip", "value")
+
+
+@contextlib.contextmanager
+def depthwise_variant(variant: str):
+    """The numba depthwise kernels as `variant` names them (see the module docstring),
+    for the layers made inside: the factories' choices replaced for the while."""
+    from conv2d.cuda import depthwise as layer
+    from conv2d.cuda.kernels import depthwise as kernels
+
+    saved = kernels._vector_kernels, layer.SMALL_INDEX
+    if variant in ("strip", "value"):
+        kernels._vector_kernels = lambda *args: (None, None, None)
+    if variant == "value":
+        layer.SMALL_INDEX = -1
+    kernels.fast_depthwise_kernels.cache_clear()
+    try:
+        yield
+    finally:
+        kernels._vector_kernels, layer.SMALL_INDEX = saved
+        kernels.fast_depthwise_kernels.cache_clear()
 
 
 def measure(spec, steps: int, config, depthwise_kernel: str = "cudnn") -> tuple[dict[str, float], float, int]:
@@ -128,7 +156,11 @@ def main() -> None:
     ap.add_argument("--bounded", default="", help="comma list of LaunchConfig.row_bounded values (1/0)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--depthwise-kernel", default="cudnn", choices=("cudnn", "numba"))
+    ap.add_argument("--depthwise-variants", default="vector", help="comma list of vector, strip, value")
     args = ap.parse_args()
+    variants = args.depthwise_variants.split(",")
+    if not set(variants) <= set(VARIANTS):
+        ap.error(f"--depthwise-variants: expected a comma list of {', '.join(VARIANTS)}, got {args.depthwise_variants!r}")
 
     from conv2d.cuda import kernels as K
 
@@ -146,9 +178,10 @@ def main() -> None:
                                 phase_group=group, row_bounded=bounded)
         for shape in args.shapes.split(","):
             for dtype in args.dtypes.split(","):
-                for bn in args.bn.split(","):
+                for bn, variant in ((b, v) for b in args.bn.split(",") for v in variants):
                     spec = bench_spec(shape, bn == "1", dtype)
-                    pieces, graph_ms, P = measure(spec, args.steps, config, args.depthwise_kernel)
+                    with depthwise_variant(variant):
+                        pieces, graph_ms, P = measure(spec, args.steps, config, args.depthwise_kernel)
                     item = 4 if dtype == "float32" else 2
                     values = int(np.prod(spec.output_shape))
                     parts = []
@@ -157,7 +190,8 @@ def main() -> None:
                         if label in ROW_TRAFFIC:
                             text += f" ({ROW_TRAFFIC[label] * values * item / (ms * 1e-3) / 1e12:.2f} TB/s)"
                         parts.append(text)
-                    print(f"{shape} {dtype} bn={bn} wide={int(wide)} unroll={unroll} "
+                    shown = f" depthwise={variant}" if args.depthwise_kernel == "numba" else ""
+                    print(f"{shape} {dtype} bn={bn}{shown} wide={int(wide)} unroll={unroll} "
                           f"phase_two_unroll={two} phase_group={group} bounded={int(bounded)} blocks={P}: graph {1e3 * graph_ms:.1f} us, "
                           f"eager pieces {1e3 * sum(pieces.values()):.1f} us = " + ", ".join(parts), flush=True)
 

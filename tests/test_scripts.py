@@ -154,3 +154,37 @@ def test_the_gpu_test_runner_counts_passes_and_failures_and_fails_on_a_failure(s
     summary = [line for line in done.stdout.splitlines() if line.startswith("gpu_tests:")]
     assert done.returncode != 0 and summary, done.stdout[-2000:] + done.stderr[-2000:]
     assert "4 collected" in summary[0] and "3 passed, 1 failed" in summary[0], summary
+
+
+@pytest.mark.parametrize("variant, forward, weights", [("vector", "vector", "fast"), ("strip", "strip", "fast"),
+                                                       ("value", "value", "simple")])
+def test_the_breakdown_scripts_depthwise_variants_build_the_kernels_they_name(variant, forward, weights):
+    """scripts/breakdown_cuda.py --depthwise-variants: the numba depthwise kernels as the
+    backend picks them, strips of one channel, or one value a thread; the factories'
+    choices restored after."""
+    import importlib.util
+    import math
+
+    from numba import cuda
+
+    from conv2d.cuda.depthwise import DepthwiseConvolutions
+    from conv2d.cuda.launch import Launcher
+    from conv2d.cuda.plans import convolution_spec
+    from conv2d.spec import LayerSpec
+
+    found = importlib.util.spec_from_file_location("breakdown_cuda", ROOT / "scripts" / "breakdown_cuda.py")
+    breakdown = importlib.util.module_from_spec(found)
+    found.loader.exec_module(breakdown)
+    spec = convolution_spec(LayerSpec(batch_size=2, in_height=6, in_width=8, in_channels=4, out_channels=4, kernel=3,
+                                      padding=1, groups=4, dtype="float32"))
+    stream = cuda.stream()
+
+    def built():
+        conv = DepthwiseConvolutions(cuda, spec, Launcher(lambda: stream, False))
+        kind = "vector" if "y" in conv._vector else "value" if conv._items["y"] == math.prod(spec.output_shape) \
+            else "strip"
+        return kind, "fast" if conv._fast_partials else "simple"
+
+    with breakdown.depthwise_variant(variant):
+        assert built() == (forward, weights)
+    assert built() == ("vector", "fast")
