@@ -441,7 +441,10 @@ DEPTHWISE_CASES = {"plain": dict(), "stride2_valid": dict(stride=2, padding=0),
                    "stride2_dilated_odd_width": dict(stride=2, dilation=2, padding=2, in_width=9),
                    "one_column": dict(in_width=1, kernel=(3, 1), padding=(1, 0)),
                    # An odd channel count: the float32 forward's strips one channel a thread.
-                   "three_channels": dict(in_channels=3, out_channels=3, groups=3)}
+                   "three_channels": dict(in_channels=3, out_channels=3, groups=3),
+                   # Strided input gradients: a row stride beside the width's, padding on the stride.
+                   "stride2x3_padded": dict(stride=(2, 3), padding=1, in_height=9, in_width=11),
+                   "stride2_padded_dilated_rows": dict(stride=2, padding=(3, 1), dilation=(2, 1), in_height=9)}
 # 576 rows: 9 partial blocks of the weight gradient, whose fast phase two adds a group of 8, then 1.
 FAST_DEPTHWISE_CASES = {**DEPTHWISE_CASES, "nine_partial_blocks": dict(batch_size=12, in_height=8, in_width=6)}
 
@@ -511,11 +514,12 @@ def test_the_fast_depthwise_kernels_of_indices_beyond_31_bits_are_bitwise_the_si
     assert_fast_depthwise_is_simple(dict(out_channels=8, padding="same", dilation=2))
 
 
-@pytest.mark.parametrize("fields, strips", [(dict(), (4, 4)), (dict(stride=2, padding=0), (4, 1))],
-                         ids=["stride1", "stride2"])
+@pytest.mark.parametrize("fields, strips", [(dict(), (4, 4)), (dict(stride=2, padding=0), (4, 4)),
+                                            (dict(stride=(1, 3), padding=0), (4, 1))],
+                         ids=["stride1", "stride2", "width_stride3"])
 def test_the_fast_depthwise_kernels_compute_strips_along_the_width_where_indices_fit_31_bits(fields, strips):
-    """The forward a strip of STRIP values a thread at any stride, the input gradient at
-    stride 1 (its strided gather stays one thread a value)."""
+    """The forward a strip of STRIP values a thread at any stride, the input gradient where
+    STRIP is a multiple of the width's stride (else one thread a value)."""
     from conv2d.cuda.kernels.depthwise import STRIP, fast_depthwise_kernels, geometry_key
     from conv2d.cuda.kernels.layout import window_geometry
     from conv2d.cuda.plans import convolution_spec

@@ -17,14 +17,17 @@ instruction sequence on the GPU where one by a constant is a multiply and shifts
   same order as the simple ones: bitwise theirs. Where x's and y's indices fit 31 bits
   (`small`), a thread computes a strip of STRIP values along the width, its index
   arithmetic in 32 bits, the weights and each input column loaded once a strip
-  (`_strip_kernels`; the input gradient at stride 1, else one thread a value), and
+  (`_strip_kernels`; the input gradient at strides that divide STRIP, else one thread a
+  value), and
   where the channel multiplier is 1 both over 8 bytes of channels (`_vector_kernels`:
   2 float32, 4 16-bit values; the input gradient at stride 1). SASS for sm_90 of the MobileNetV2
   shape (ptxas and nvdisasm over numba's PTX, on a machine without a GPU; instructions
   and global loads an output in the innermost loop): forward 187 and 9 one value a
   thread, 63 and 5.5 a strip, 67 and 3.3 a strip of float32 pairs (bfloat16: 81 and 5.5
   a strip, 67 and 2.1 over 4 channels); input gradient 178 and 9, 48 and 4.5 a strip,
-  50 and 2.3 over float32 pairs (bfloat16: 58 and 4.5 a strip, 43 and 1.1 over 4).
+  50 and 2.3 over float32 pairs (bfloat16: 58 and 4.5 a strip, 43 and 1.1 over 4); at
+  stride 2 (MobileNetV2's 112x112x96 layer) 317 and 9 one value a thread, 63 and 2.3 a
+  strip.
   Not yet timed on a GPU.
 - `weight_partials_by_channel`: the fast phase one of the weight gradient, one thread an
   output channel, its KH*KW sums kept in registers, d_z loaded once a row where the
@@ -439,10 +442,11 @@ def _strip_kernels(storage: str, geometry: tuple, shared: bool, block_weights: A
     the simple kernels' products in their order, so the same bits: the forward's value
     (n, oh, ow0 + r, oc) its taps in order (kh, kw), skipping those in the padding; a
     thread loads each input column of a window row once (j = r * SW + kw * DW: for one r,
-    kw rises with j) and the weights once. The input gradient's strip (stride 1 only;
-    None otherwise, the one-value kernel runs) goes through d_z's columns q = r - kw * DW
-    downwards, so that for one r the taps come in order (m, kh, kw) as in the simple
-    kernel's gather."""
+    kw rises with j) and the weights once. The input gradient's strip goes through d_z's
+    columns q = r - kw * DW downwards, so that for one r the taps come in order (m, kh,
+    kw) as in the simple kernel's gather; at strides above 1 `_strided_input_gradient`,
+    where STRIP is a multiple of the width's stride (else None: the one-value kernel
+    runs)."""
     io = storage_io(storage)
     load, store = io.load, io.store
     H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M = geometry
@@ -510,12 +514,13 @@ def _strip_kernels(storage: str, geometry: tuple, shared: bool, block_weights: A
                         v = ZERO
                     store(y, (out + U(r)) * OC_ + oc, v)
 
-    if SH != 1 or SW != 1:
-        return forward, None
     LOW = -(KW - 1) * DW  # the lowest q = r - kw * DW
     LOW_ = U(-LOW)
     ROWS_ABOVE = (KH - 1) * DH  # the most rows a tap reaches above its input row
     ROWS_ABOVE_ = U(ROWS_ABOVE)
+    if SH != 1 or SW != 1:
+        return forward, (_strided_input_gradient(storage, geometry, block_weights, tap_weight) if R % SW == 0
+                         else None)
 
     @cuda.jit
     def backward_data(d_z, w, d_x):
@@ -557,6 +562,71 @@ def _strip_kernels(storage: str, geometry: tuple, shared: bool, block_weights: A
                     store(d_x, (out + U(r)) * C_ + c, acc[r])
 
     return forward, backward_data
+
+
+def _strided_input_gradient(storage: str, geometry: tuple, block_weights: Any, tap_weight: Any) -> Any:
+    """`_strip_kernels`' input gradient at strides above 1 (STRIP a multiple of SW): a
+    thread's STRIP values of d_x along the width, each the simple kernel's gather in its
+    order (m, kh, kw), over the taps whose window position is a multiple of the stride.
+    With iw0 a multiple of SW, whether a column q = r - kw * DW of the strip is on the
+    stride is a constant of q; a row's is tested at run time."""
+    io = storage_io(storage)
+    load, store = io.load, io.store
+    H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M = geometry
+    TAPS = KH * KW
+    R = STRIP
+    U = np.uint32
+    H_, W_, C_, OH_, OW_, OC_, M_ = (U(v) for v in (H, W, C, OH, OW, OC, M))
+    SH_, SW_, R_ = U(SH), U(SW), U(R)
+    WS_ = U(-(-W // R))
+    LOW = -(KW - 1) * DW  # the lowest q = r - kw * DW
+    ROWS_ABOVE_ = U((KH - 1) * DH)
+    # A column's offset (PW + q) // SW from iw0 // SW, shifted to be never below zero.
+    SHIFT = max(0, -((PW + LOW) // SW))
+    SHIFT_ = U(SHIFT)
+
+    @cuda.jit
+    def backward_data(d_z, w, d_x):
+        w_t = block_weights(w)
+        acc = cuda.local.array(R, dtype=np.float32)
+        wk = cuda.local.array(TAPS, dtype=np.float32)
+        total = d_x.size // (W * C) * (-(-W // R)) * C
+        for t in range(cuda.grid(1), total, cuda.gridsize(1)):
+            u = U(t)
+            c = u % C_
+            s = u // C_
+            iw0 = s % WS_ * R_
+            s = s // WS_
+            ih = s % H_
+            n = s // H_
+            for r in range(R):
+                acc[r] = ZERO
+            for m in range(M):
+                oc = c * M_ + U(m)
+                for tap in range(TAPS):
+                    wk[tap] = tap_weight(w_t, oc, tap)
+                for kh in range(KH):
+                    thp = ih + U(PH + (KH - 1) * DH - kh * DH)  # the row's numerator + ROWS_ABOVE
+                    if thp >= ROWS_ABOVE_ and (thp - ROWS_ABOVE_) % SH_ == 0:
+                        th = (thp - ROWS_ABOVE_) // SH_
+                        if th < OH_:
+                            row = (n * OH_ + th) * OW_
+                            for k in range(R - LOW):
+                                q = R - 1 - k  # from R - 1 down to LOW
+                                if (PW + q) % SW == 0:  # on the stride (iw0 is a multiple of SW)
+                                    col = iw0 // SW_ + U((PW + q) // SW + SHIFT)
+                                    if col >= SHIFT_ and col < OW_ + SHIFT_:
+                                        v = load(d_z, (row + col - SHIFT_) * OC_ + oc)
+                                        for kw in range(KW):
+                                            r = q + kw * DW
+                                            if r >= 0 and r < R:
+                                                if iw0 + U(r) < W_:
+                                                    acc[r] += v * wk[kh * KW + kw]
+            out = (n * H_ + ih) * W_ + iw0
+            for r in range(R):
+                if iw0 + U(r) < W_:
+                    store(d_x, (out + U(r)) * C_ + c, acc[r])
+    return backward_data
 
 
 # Values along the width a thread of the fast forward and input gradient computes (where
