@@ -382,7 +382,7 @@ def _vector_kernels(storage: str, geometry: tuple, shared: bool, block_weights: 
 
     if SH != 1 or SW != 1:
         return forward, None, LANES
-    LOW = -(KW - 1) * DW  # as in _strip_kernels
+    LOW = -(KW - 1) * DW  # as in _strip_input_gradient
     LOW_ = U(-LOW)
     ROWS_ABOVE = (KH - 1) * DH
     ROWS_ABOVE_ = U(ROWS_ABOVE)
@@ -442,9 +442,7 @@ def _strip_kernels(storage: str, geometry: tuple, shared: bool, block_weights: A
     the simple kernels' products in their order, so the same bits: the forward's value
     (n, oh, ow0 + r, oc) its taps in order (kh, kw), skipping those in the padding; a
     thread loads each input column of a window row once (j = r * SW + kw * DW: for one r,
-    kw rises with j) and the weights once. The input gradient's strip goes through d_z's
-    columns q = r - kw * DW downwards, so that for one r the taps come in order (m, kh,
-    kw) as in the simple kernel's gather; at strides above 1 `_strided_input_gradient`,
+    kw rises with j) and the weights once. The input gradient: `_strip_input_gradient`,
     where STRIP is a multiple of the width's stride (else None: the one-value kernel
     runs)."""
     io = storage_io(storage)
@@ -459,7 +457,7 @@ def _strip_kernels(storage: str, geometry: tuple, shared: bool, block_weights: A
     U = np.uint32
     H_, W_, C_, OH_, OW_, OC_, M_ = (U(v) for v in (H, W, C, OH, OW, OC, M))
     SH_, SW_, PH_, PW_, R_ = (U(v) for v in (SH, SW, PH, PW, R))
-    OWS_, WS_ = U(-(-OW // R)), U(-(-W // R))  # strips a row of y, of x
+    OWS_ = U(-(-OW // R))  # strips a row of y
 
     if shared:
         @cuda.jit(device=True, inline=True)
@@ -514,62 +512,16 @@ def _strip_kernels(storage: str, geometry: tuple, shared: bool, block_weights: A
                         v = ZERO
                     store(y, (out + U(r)) * OC_ + oc, v)
 
-    LOW = -(KW - 1) * DW  # the lowest q = r - kw * DW
-    LOW_ = U(-LOW)
-    ROWS_ABOVE = (KH - 1) * DH  # the most rows a tap reaches above its input row
-    ROWS_ABOVE_ = U(ROWS_ABOVE)
-    if SH != 1 or SW != 1:
-        return forward, (_strided_input_gradient(storage, geometry, block_weights, tap_weight) if R % SW == 0
-                         else None)
-
-    @cuda.jit
-    def backward_data(d_z, w, d_x):
-        w_t = block_weights(w)
-        acc = cuda.local.array(R, dtype=np.float32)
-        wk = cuda.local.array(TAPS, dtype=np.float32)
-        total = d_x.size // (W * C) * (-(-W // R)) * C
-        for t in range(cuda.grid(1), total, cuda.gridsize(1)):
-            u = U(t)
-            c = u % C_
-            s = u // C_
-            iw0 = s % WS_ * R_
-            s = s // WS_
-            ih = s % H_
-            n = s // H_
-            for r in range(R):
-                acc[r] = ZERO
-            for m in range(M):
-                oc = c * M_ + U(m)
-                for tap in range(TAPS):
-                    wk[tap] = tap_weight(w_t, oc, tap)
-                for kh in range(KH):
-                    th = ih + U(PH + ROWS_ABOVE - kh * DH)  # + ROWS_ABOVE: never below zero
-                    if th >= ROWS_ABOVE_ and th < OH_ + ROWS_ABOVE_:
-                        row = (n * OH_ + th - ROWS_ABOVE_) * OW_
-                        for k in range(R - LOW):
-                            q = R - 1 - k  # from R - 1 down to LOW
-                            tw = iw0 + U(PW + q - LOW)  # - LOW: never below zero
-                            if tw >= LOW_ and tw < OW_ + LOW_:
-                                v = load(d_z, (row + tw - LOW_) * OC_ + oc)
-                                for kw in range(KW):
-                                    r = q + kw * DW
-                                    if r >= 0 and r < R:
-                                        if iw0 + U(r) < W_:
-                                            acc[r] += v * wk[kh * KW + kw]
-            out = (n * H_ + ih) * W_ + iw0
-            for r in range(R):
-                if iw0 + U(r) < W_:
-                    store(d_x, (out + U(r)) * C_ + c, acc[r])
-
-    return forward, backward_data
+    return forward, (_strip_input_gradient(storage, geometry, block_weights, tap_weight) if R % SW == 0 else None)
 
 
-def _strided_input_gradient(storage: str, geometry: tuple, block_weights: Any, tap_weight: Any) -> Any:
-    """`_strip_kernels`' input gradient at strides above 1 (STRIP a multiple of SW): a
-    thread's STRIP values of d_x along the width, each the simple kernel's gather in its
-    order (m, kh, kw), over the taps whose window position is a multiple of the stride.
-    With iw0 a multiple of SW, whether a column q = r - kw * DW of the strip is on the
-    stride is a constant of q; a row's is tested at run time."""
+def _strip_input_gradient(storage: str, geometry: tuple, block_weights: Any, tap_weight: Any) -> Any:
+    """`_strip_kernels`' input gradient (STRIP a multiple of SW): a thread's STRIP values
+    of d_x along the width, each the simple kernel's gather in its order (m, kh, kw),
+    over the taps whose window position is a multiple of the stride. It goes through d_z's
+    columns q = r - kw * DW downwards, so that for one r kw rises. With iw0 a multiple of
+    SW, whether a column q of the strip is on the stride is a constant of q; a row's is
+    tested at run time (at stride 1 both fold away)."""
     io = storage_io(storage)
     load, store = io.load, io.store
     H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M = geometry
