@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import copy
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from conv2d.torch import swap
+
+# scripts/bench_networks.py's capture: PyTorch's recipe (three warm-up steps on a side stream).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from bench_cuda import torch_graph  # noqa: E402
 
 WIDTHS = [(3, 64, 1), (64, 64, 1), (64, 128, 2), (128, 128, 1)]  # (in, out, stride)
 REPLAYS = 5
@@ -46,20 +51,6 @@ def training_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor):
     return step
 
 
-def captured(step) -> torch.cuda.CUDAGraph:
-    """PyTorch's recipe: three warm-up steps on a side stream, then the capture."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
-
-
 def main() -> int:
     precision, batch = sys.argv[1], int(sys.argv[2])
     order = sys.argv[3] if len(sys.argv) > 3 else "pytorch-then-ours"
@@ -80,7 +71,7 @@ def main() -> int:
         return 2
     if order != "ours":
         try:
-            pytorch_graph = captured(training_step(theirs, x, target))
+            pytorch_graph = torch_graph(training_step(theirs, x, target))
             for _ in range(3):
                 pytorch_graph.replay()
             torch.cuda.synchronize()  # an error of PyTorch's own work surfaces here, before ours runs
@@ -90,7 +81,7 @@ def main() -> int:
         if order == "pytorch":
             print("OK")
             return 0
-    our_graph = captured(training_step(ours, x, target))
+    our_graph = torch_graph(training_step(ours, x, target))
     for _ in range(REPLAYS):
         our_graph.replay()
     step = training_step(eager, x, target)
