@@ -8,14 +8,14 @@ one channel a thread).
     python scripts/breakdown_cuda.py [--shapes resnet_28,rl_small] [--dtypes bfloat16] [--bn 1]
                                      [--max-blocks 1056,264] [--unroll 4,8] [--wide 1,0]
                                      [--phase-two-unroll 4,16] [--phase-group 16,32] [--steps 20]
-                                     [--depthwise-kernel numba] [--depthwise-variants vector,strip,value]
+                                     [--depthwise-kernel cudnn] [--depthwise-variants strip,value]
 
-`--depthwise-kernel numba` runs a depthwise shape's convolutions through the numba kernels
-(the backend option of that name); `--depthwise-variants` times them as the backend picks
-them ("vector": 8 bytes of channels a thread where it can) and with the choices below it
-forced ("strip": a strip of values along the width a thread, one channel; "value": one
-value a thread with 64-bit indices and the simple weight gradient, as for a layer whose
-indices pass 31 bits), to compare the kernels in one run.
+`--depthwise-kernel` is the backend option of that name ("auto", the default, runs a
+depthwise shape's convolutions through the numba kernels; "cudnn" through cuDNN's
+graphs); `--depthwise-variants` times the numba kernels as the backend picks them
+("strip": a strip of values along the width a thread, where the indices fit 31 bits) and
+forced to "value" (one value a thread with 64-bit indices and the simple weight
+gradient, as for a layer whose indices pass 31 bits), to compare the kernels in one run.
 
 Row kernels also print the bandwidth they reach: the bytes they must move (z read; d_y
 read by the gradient passes; y or d_z written) over their time. Events between launches
@@ -40,7 +40,7 @@ from bench_shapes import bench_spec, inputs  # noqa: E402
 ROW_TRAFFIC = {"batch_norm_statistics": 1, "normalise_and_activate": 2, "norm_gradients": 2, "grad_pre_activations": 3}
 
 
-VARIANTS = ("vector", "strip", "value")
+VARIANTS = ("strip", "value")
 
 
 @contextlib.contextmanager
@@ -50,27 +50,24 @@ def depthwise_variant(variant: str):
     from conv2d.cuda import depthwise as layer
     from conv2d.cuda.kernels import depthwise as kernels
 
-    saved = kernels._vector_kernels, layer.SMALL_INDEX
-    if variant in ("strip", "value"):
-        kernels._vector_kernels = lambda *args: (None, None, None)
+    saved = layer.SMALL_INDEX
     if variant == "value":
         layer.SMALL_INDEX = -1
     kernels.fast_depthwise_kernels.cache_clear()
     try:
         yield
     finally:
-        kernels._vector_kernels, layer.SMALL_INDEX = saved
+        layer.SMALL_INDEX = saved
         kernels.fast_depthwise_kernels.cache_clear()
 
 
-def measure(spec, steps: int, config, depthwise_kernel: str = "cudnn") -> tuple[dict[str, float], float, int]:
+def measure(spec, steps: int, config, depthwise_kernel: str = "auto") -> tuple[dict[str, float], float, int]:
     from conv2d import Conv2d
     from conv2d.cuda import cudnn
     from conv2d.cuda.launch import Launch
     from conv2d.cuda.runtime import to_device_bits
 
-    options = {"depthwise_kernel": depthwise_kernel} if depthwise_kernel != "cudnn" else {}
-    layer = Conv2d(spec, "cuda", launch_config=config, **options)
+    layer = Conv2d(spec, "cuda", launch_config=config, depthwise_kernel=depthwise_kernel)
     layer.init_weights(np.random.default_rng(0))
     impl = layer.functions
     cuda, stream = impl.cuda, impl.stream
@@ -155,8 +152,8 @@ def main() -> None:
     ap.add_argument("--phase-group", default="", help="comma list of LaunchConfig.phase_group values")
     ap.add_argument("--bounded", default="", help="comma list of LaunchConfig.row_bounded values (1/0)")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--depthwise-kernel", default="cudnn", choices=("cudnn", "numba"))
-    ap.add_argument("--depthwise-variants", default="vector", help="comma list of vector, strip, value")
+    ap.add_argument("--depthwise-kernel", default="auto", choices=("auto", "cudnn", "numba"))
+    ap.add_argument("--depthwise-variants", default="strip", help="comma list of strip, value")
     args = ap.parse_args()
     variants = args.depthwise_variants.split(",")
     if not set(variants) <= set(VARIANTS):
@@ -190,7 +187,9 @@ def main() -> None:
                         if label in ROW_TRAFFIC:
                             text += f" ({ROW_TRAFFIC[label] * values * item / (ms * 1e-3) / 1e12:.2f} TB/s)"
                         parts.append(text)
-                    shown = f" depthwise={variant}" if args.depthwise_kernel == "numba" else ""
+                    numba = args.depthwise_kernel == "numba" or (args.depthwise_kernel == "auto"
+                                                                  and 1 < spec.groups == spec.in_channels)
+                    shown = f" depthwise={variant}" if numba else ""
                     print(f"{shape} {dtype} bn={bn}{shown} wide={int(wide)} unroll={unroll} "
                           f"phase_two_unroll={two} phase_group={group} bounded={int(bounded)} blocks={P}: graph {1e3 * graph_ms:.1f} us, "
                           f"eager pieces {1e3 * sum(pieces.values()):.1f} us = " + ", ".join(parts), flush=True)

@@ -415,7 +415,7 @@ def test_the_numba_depthwise_kernels_on_the_gpu_agree_with_cudnn_and_replay_bitw
     x, dy = random_inputs(spec)
     st = storage_dtype(spec.dtype)
     numba_layer = make_layer(spec, backend="cuda", depthwise_kernel="numba")
-    cudnn_layer = make_layer(spec, backend="cuda")
+    cudnn_layer = make_layer(spec, backend="cuda", depthwise_kernel="cudnn")
     captured = make_layer(spec, backend="cuda", depthwise_kernel="numba")
     tol = 1e-5 if dtype == "float32" else 2e-2
     got, want = step(numba_layer, x, dy), step(cudnn_layer, x, dy)

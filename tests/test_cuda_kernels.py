@@ -486,8 +486,7 @@ def test_the_fast_depthwise_kernels_are_bitwise_the_simple_ones(case):
 
 @pytest.mark.parametrize("case", ["plain", "stride2_valid"])
 def test_the_fast_depthwise_kernels_are_bitwise_the_simple_ones_in_bfloat16(case):
-    """The same in bfloat16, whose forward a thread computes for 4 channels (8 bytes of
-    x and of y a load and a store)."""
+    """The same in bfloat16 (16-bit loads and stores, float32 sums)."""
     assert_fast_depthwise_is_simple(FAST_DEPTHWISE_CASES[case], "bfloat16")
 
 
@@ -570,8 +569,25 @@ def test_the_numba_depthwise_convolutions_refuse_a_layer_that_is_not_depthwise()
     with pytest.raises(ValueError, match=r"^depthwise_kernel: 'numba' takes depthwise layers \(groups == "
                                          r"in_channels\), got groups=2 with in_channels=4"):
         Conv2d(spec, "cuda", depthwise_kernel="numba")
-    with pytest.raises(ValueError, match="^depthwise_kernel: expected 'cudnn' or 'numba', got 'fast'"):
+    with pytest.raises(ValueError, match="^depthwise_kernel: expected 'auto', 'cudnn' or 'numba', got 'fast'"):
         Conv2d(spec, "cuda", depthwise_kernel="fast", convolutions=HostConvolutions)
+
+
+@pytest.mark.parametrize("groups, chosen", [(4, "numba"), (2, "cudnn"), (1, "cudnn")])
+def test_depthwise_layers_take_the_numba_kernels_by_default_and_others_cudnn(groups, chosen):
+    """depthwise_kernel="auto" (the default): the numba kernels for groups == in_channels,
+    cuDNN for any other layer; "cudnn" keeps a depthwise layer on cuDNN."""
+    spec = LayerSpec(batch_size=2, in_height=5, in_width=5, in_channels=4, out_channels=8, kernel=3, padding=1,
+                     groups=groups)
+    layer = Conv2d(spec, "cuda", convolutions=HostConvolutions)
+    assert layer.functions.depthwise_kernel == chosen
+    if groups == 4:
+        assert Conv2d(spec, "cuda", depthwise_kernel="cudnn",
+                      convolutions=HostConvolutions).functions.depthwise_kernel == "cudnn"
+        numba = Conv2d(spec, "cuda")  # no stand-in: the numba kernels themselves, in the simulator here
+        numba.forward(random_inputs(spec)[0])
+        assert numba.functions.conv_plans == dict.fromkeys(("forward", "backward_data", "backward_filter"),
+                                                           "numba depthwise")
 
 
 ORACLE_CASES = {"plain": dict(), "stride2_dilated": dict(stride=2, dilation=2, padding=2),

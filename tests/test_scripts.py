@@ -156,11 +156,10 @@ def test_the_gpu_test_runner_counts_passes_and_failures_and_fails_on_a_failure(s
     assert "4 collected" in summary[0] and "3 passed, 1 failed" in summary[0], summary
 
 
-@pytest.mark.parametrize("variant, forward, weights", [("vector", "vector", "fast"), ("strip", "strip", "fast"),
-                                                       ("value", "value", "simple")])
+@pytest.mark.parametrize("variant, forward, weights", [("strip", "strip", "fast"), ("value", "value", "simple")])
 def test_the_breakdown_scripts_depthwise_variants_build_the_kernels_they_name(variant, forward, weights):
     """scripts/breakdown_cuda.py --depthwise-variants: the numba depthwise kernels as the
-    backend picks them, strips of one channel, or one value a thread; the factories'
+    backend picks them (strips along the width), or one value a thread; the factories'
     choices restored after."""
     import importlib.util
     import math
@@ -181,10 +180,9 @@ def test_the_breakdown_scripts_depthwise_variants_build_the_kernels_they_name(va
 
     def built():
         conv = DepthwiseConvolutions(cuda, spec, Launcher(lambda: stream, False))
-        kind = "vector" if "y" in conv._vector else "value" if conv._items["y"] == math.prod(spec.output_shape) \
-            else "strip"
+        kind = "value" if conv._items["y"] == math.prod(spec.output_shape) else "strip"
         return kind, "fast" if conv._fast_partials else "simple"
 
     with breakdown.depthwise_variant(variant):
         assert built() == (forward, weights)
-    assert built() == ("vector", "fast")
+    assert built() == ("strip", "fast")

@@ -41,8 +41,8 @@ def check_options(spec: LayerSpec, allow_tf32: bool, autotune: bool, fast_paths:
     if evaluate_kernel == "direct" and not spec.bn_track_running_stats:
         raise ValueError("evaluate_kernel: 'direct' normalises with running statistics; this batch norm has "
                          "none (bn_track_running_stats=False) and needs the batch's first (use 'cudnn')")
-    if depthwise_kernel not in ("cudnn", "numba"):
-        raise ValueError(f"depthwise_kernel: expected 'cudnn' or 'numba', got {depthwise_kernel!r}")
+    if depthwise_kernel not in ("auto", "cudnn", "numba"):
+        raise ValueError(f"depthwise_kernel: expected 'auto', 'cudnn' or 'numba', got {depthwise_kernel!r}")
     if depthwise_kernel == "numba" and not is_depthwise(spec):
         raise ValueError(f"depthwise_kernel: 'numba' takes depthwise layers (groups == in_channels), got groups="
                          f"{spec.groups} with in_channels={spec.in_channels}")

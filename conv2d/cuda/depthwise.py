@@ -1,24 +1,19 @@
 """A depthwise layer's three convolutions through numba kernels (kernels/depthwise.py)
-instead of cuDNN: the backend option `depthwise_kernel="numba"`, for layers with groups ==
-in_channels. Same methods as `cudnn.Convolutions` (the steps call either alike); the
-launches are prepared once per input shape and run on the layer's current stream, so
-they are captured in CUDA graphs like the other kernels.
+instead of cuDNN: the backend option `depthwise_kernel`, "numba" for layers with groups ==
+in_channels ("auto", the default, takes it for them). Same methods as
+`cudnn.Convolutions` (the steps call either alike); the launches are prepared once per
+input shape and run on the layer's current stream, so they are captured in CUDA graphs
+like the other kernels.
 
 cuDNN's depthwise graphs measured 1.4-2.6x PyTorch's training step on the MobileNetV2
-shape (docs/bench_cuda.md). The forward and the input gradient take one thread a value
-(as PyTorch's own depthwise kernels); the weight gradient's first phase one thread a
-channel. The fast kernels (the default) take the layer's sizes as compile-time constants;
-`kernels="simple"` runs the simple ones, which take them as arguments: the same sums.
-On an H100 this path measured about 10.3 ms a MobileNetV2 step with the runtime sizes,
-4.7 ms with the constants, and 2.2 ms (float32; bfloat16 2.0) with the weights in shared
-memory and constant tap offsets: 0.68x cuDNN's graph, 1.66x PyTorch's (1.20x with batch
-norm; docs/bench_cuda.md). Since then the fast forward and input gradient compute a strip
-of values along the width a thread with 32-bit index arithmetic where the indices fit,
-both over 8 bytes of channels a thread where their arrays are 8-byte aligned, and the
-weight gradient's first phase sums strips of rows along the width, x loaded once a
-strip (kernels/depthwise.py: a third of the SASS instructions and half the loads an
-output or row, not yet timed on a GPU). cuDNN stays the default until a change of
-default has run the GPU suite.
+shape (docs/bench_cuda.md). The fast kernels (the default) take the layer's sizes as
+compile-time constants and the weights from shared memory; where the indices fit 31 bits
+the forward and the input gradient compute a strip of values along the width a thread
+with 32-bit index arithmetic, and the weight gradient's first phase (a thread a channel)
+sums strips of rows. `kernels="simple"` runs the simple ones (one thread a value, the
+sizes as arguments): the same sums. The captured step on an H100 at 9e2e185, against
+PyTorch's: 0.94x in float32 and 0.95x in bfloat16 without a norm, 0.74x and 0.69x with
+batch norm; cuDNN's graph 2.4-2.6x and 1.7x (docs/bench_cuda.md).
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ from conv2d.cuda import kernels as K
 from conv2d.cuda.kernels.depthwise import (SMALL_INDEX, STRIP, depthwise_kernels, fast_depthwise_kernels, geometry_key,
                                            strip_items, weight_partials_by_channel)
 from conv2d.cuda.kernels.layout import window_geometry
-from conv2d.cuda.launch import Launcher, LaunchKey, device_pointer
+from conv2d.cuda.launch import Launcher, LaunchKey
 from conv2d.spec import LayerSpec
 
 # Blocks of the weight gradient's first phase: each sums every P-th row (n, oh, ow). The
@@ -64,7 +59,6 @@ class DepthwiseConvolutions:
         self._weight_partials, self._partial_sizes = simple_kernels[2], self._geometry
         self._fast_partials = False
         strips = (1, 1)  # values along the width a thread of the forward, the input gradient
-        self._vector: dict = {}  # "y"/"x": (the forward / input gradient over 8 bytes of channels, threads)
         if simple:
             self._kernels, self._weight_sum = simple_kernels[:2], simple_kernels[3]
             self._sizes_given = self._geometry  # the simple kernels take the sizes as arguments
@@ -75,10 +69,6 @@ class DepthwiseConvolutions:
             fast = fast_depthwise_kernels(spec.dtype.value, key, small)
             self._kernels, self._weight_sum = (fast.forward, fast.backward_data), fast.backward_filter_sum
             strips = (fast.forward_strip, fast.backward_strip)
-            if fast.forward_vector is not None:
-                self._vector["y"] = (fast.forward_vector, strip_items(n * oh * ow * oc, ow, STRIP) // fast.lanes)
-            if fast.backward_vector is not None:
-                self._vector["x"] = (fast.backward_vector, strip_items(n * h * w * c, w, STRIP) // fast.lanes)
             if small:
                 self._weight_partials = weight_partials_by_channel(spec.dtype.value, key)
                 self._partial_sizes, self._fast_partials = {}, True
@@ -105,20 +95,10 @@ class DepthwiseConvolutions:
     def forward(self, x: Any, w: Any, b: Any, y: Any, relu: bool = False) -> None:
         fixed = {**self._sizes_given, "has_bias": b is not None, "relu": relu}
         arrays = dict(x=x, w=w, b=self._dummy if b is None else b, y=y)
-        if "y" in self._vector and device_pointer(x) % 8 == 0 and device_pointer(y) % 8 == 0:
-            kernel, items = self._vector["y"]
-            self._launch(self._launches, LaunchKey("depthwise_forward_vector", fixed=(("relu", relu),)), kernel,
-                         *K.elementwise_grid(items), fixed, **arrays)
-            return
         self._launch(self._launches, LaunchKey("depthwise_forward", fixed=(("relu", relu),)), self._kernels[0],
                      *K.elementwise_grid(self._items["y"]), fixed, **arrays)
 
     def backward_data(self, d_z: Any, w: Any, d_x: Any) -> None:
-        if "x" in self._vector and device_pointer(d_z) % 8 == 0 and device_pointer(d_x) % 8 == 0:
-            kernel, items = self._vector["x"]
-            self._launch(self._launches, LaunchKey("depthwise_backward_data_vector"), kernel,
-                         *K.elementwise_grid(items), self._sizes_given, d_z=d_z, w=w, d_x=d_x)
-            return
         self._launch(self._launches, LaunchKey("depthwise_backward_data"), self._kernels[1],
                      *K.elementwise_grid(self._items["x"]), self._sizes_given, d_z=d_z, w=w, d_x=d_x)
 

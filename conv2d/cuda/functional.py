@@ -42,7 +42,7 @@ from conv2d.cuda.kernels.padding import padding_kernels
 from conv2d.cuda.launch import Launch, Launcher, device_pointer
 from conv2d.cuda.memory import OutputAllocator, Outputs
 from conv2d.cuda.plans import Saved, ShapePlan, ShapePlans
-from conv2d.cuda.depthwise import DepthwiseConvolutions
+from conv2d.cuda.depthwise import DepthwiseConvolutions, is_depthwise
 from conv2d.cuda.runtime import (as_stream, device_dtype, from_device_bits, numba_cuda, require_gpu, same_stream,
                                  simulating, stream_handle, to_device_bits, zero_fill)
 from conv2d.cuda.streams import Streams
@@ -62,7 +62,7 @@ class Functions:
                  convolutions: Callable[[LayerSpec], Any] | None = None, max_shapes: int = 8,
                  fast_paths: bool = True, kernels: str = "fast",
                  launch_config: K.LaunchConfig = K.DEFAULT_CONFIG, evaluate_kernel: str = "cudnn",
-                 depthwise_kernel: str = "cudnn") -> None:
+                 depthwise_kernel: str = "auto") -> None:
         """`stream`: the caller's stream (numba, torch or cupy stream, or a CUstream int);
         by default a new one, and torch's current stream for torch tensors. `allow_tf32`:
         let float32 convolutions use TF32 tensor cores. `autotune`: time every
@@ -83,11 +83,17 @@ class Functions:
         applies the norm and activation: for acting at small N, where launches and cuDNN's
         execute cost more than the math; no norm or batch norm). The two agree within the
         tolerance, not bitwise (another summation order); each is deterministic.
-        `depthwise_kernel`: for a depthwise layer, "cudnn" (default) or "numba" (the three
-        convolutions by depthwise.py's kernels, no cuDNN; they also run in numba's
-        simulator; with kernels="simple" the weight gradient's simple kernel)."""
+        `depthwise_kernel`: "numba" (a depthwise layer's three convolutions by
+        depthwise.py's kernels, no cuDNN; they also run in numba's simulator; with
+        kernels="simple" the simple kernels), "cudnn", or "auto" (the default: "numba"
+        for a depthwise layer, whose cuDNN graphs measured 1.7-2.6x the numba kernels'
+        step on the MobileNetV2 shape, "cudnn" for any other); `depthwise_kernel` holds
+        the choice."""
         check_options(spec, allow_tf32, autotune, fast_paths, kernels, launch_config, evaluate_kernel, max_shapes,
                        depthwise_kernel)
+        if depthwise_kernel == "auto":
+            depthwise_kernel = "numba" if is_depthwise(spec) else "cudnn"
+        self.depthwise_kernel = depthwise_kernel
         own_convolutions = convolutions is None and depthwise_kernel == "numba"
         cuda = numba_cuda() if convolutions is not None or (own_convolutions and simulating()) else require_gpu()
         self.cuda, self.spec = cuda, spec

@@ -18,17 +18,16 @@ instruction sequence on the GPU where one by a constant is a multiply and shifts
   (`small`), a thread computes a strip of STRIP values along the width, its index
   arithmetic in 32 bits, the weights and each input column loaded once a strip
   (`_strip_kernels`; the input gradient at strides that divide STRIP, else one thread a
-  value), and
-  where the channel multiplier is 1 both over 8 bytes of channels (`_vector_kernels`:
-  2 float32, 4 16-bit values; the input gradient at stride 1). SASS for sm_90 of the MobileNetV2
-  shape (ptxas and nvdisasm over numba's PTX, on a machine without a GPU; instructions
-  and global loads an output in the innermost loop): forward 187 and 9 one value a
-  thread, 63 and 5.5 a strip, 67 and 3.3 a strip of float32 pairs (bfloat16: 81 and 5.5
-  a strip, 67 and 2.1 over 4 channels); input gradient 178 and 9, 48 and 4.5 a strip,
-  50 and 2.3 over float32 pairs (bfloat16: 58 and 4.5 a strip, 43 and 1.1 over 4); at
-  stride 2 (MobileNetV2's 112x112x96 layer) 317 and 9 one value a thread, 63 and 2.3 a
-  strip.
-  Not yet timed on a GPU.
+  value). SASS for sm_90 of the MobileNetV2 shape (ptxas and nvdisasm over numba's PTX;
+  instructions and global loads an output in the innermost loop): forward 187 and 9 one
+  value a thread, 63 and 5.5 a strip (bfloat16 81 and 5.5); input gradient 178 and 9,
+  48 and 4.5 a strip (bfloat16 58 and 4.5); at stride 2 (MobileNetV2's 112x112x96 layer)
+  317 and 9 one value a thread, 63 and 2.3 a strip. On an H100 at 9e2e185
+  (scripts/breakdown_cuda.py, N=128, 56x56x144), float32: forward 612 -> 243 us, input
+  gradient 521 -> 241. A variant over 8 bytes of channels a thread (2 float32, 4
+  bfloat16; fewer instructions and loads still: 67 and 3.3 for the float32 forward) was
+  slower there (forward 298 us in float32, 229 against 207 in bfloat16; input gradient
+  211 against 190 in bfloat16) and was removed.
 - `weight_partials_by_channel`: the fast phase one of the weight gradient, one thread an
   output channel, its KH*KW sums kept in registers, d_z loaded once a row where the
   simple kernel (one thread a tap and channel) loads it KH*KW times, and x once a strip
@@ -36,7 +35,8 @@ instruction sequence on the GPU where one by a constant is a multiply and shifts
   the simple kernel runs). It adds the same products in the same order (the strips of
   STRIP rows along the width p, p + P, ..., each strip's rows in order, for each tap),
   so its partials are bitwise the simple kernel's (SASS as above: 45 instructions and
-  5.5 loads a row and channel against 134 and 10 one row a step).
+  5.5 loads a row and channel against 134 and 10 one row a step; on the H100 as above
+  561 -> 214 us).
 tests/test_cuda_kernels.py checks both bitwise against the simple kernels.
 """
 
@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from conv2d.cuda.kernels.activation import ZERO
-from conv2d.cuda.kernels.bits import load_u64, storage_io, store_u64
+from conv2d.cuda.kernels.bits import storage_io
 from conv2d.cuda.kernels.layout import nhwc_position
 from conv2d.cuda.runtime import numba_cuda
 
@@ -197,20 +197,13 @@ def geometry_key(geometry: dict) -> tuple:
 
 class FastDepthwise(NamedTuple):
     """`fast_depthwise_kernels`' kernels, and the outputs along W a thread of each of the
-    first two computes (1: one thread a value; see `strip_items`). `lanes`: the channels
-    a thread of `forward_vector` and `backward_vector` computes (its strip for each; the
-    arrays read and written 8 bytes at a time), None where there are no such kernels
-    (`backward_vector` also None at strides other than 1); they need their arrays 8-byte
-    aligned, the caller checks."""
+    first two computes (1: one thread a value; see `strip_items`)."""
 
     forward: Any
     backward_data: Any
     backward_filter_sum: Any
     forward_strip: int
     backward_strip: int
-    forward_vector: Any = None
-    backward_vector: Any = None
-    lanes: int | None = None
 
 
 def strip_items(size: int, width: int, strip: int) -> int:
@@ -289,151 +282,9 @@ def fast_depthwise_kernels(storage: str, geometry: tuple, small: bool = False) -
     if not small:
         return FastDepthwise(forward, backward_data, backward_filter_sum, 1, 1)
     strip_forward, strip_backward = _strip_kernels(storage, geometry, shared, block_weights)
-    vector, vector_backward, lanes = _vector_kernels(storage, geometry, shared, block_weights)
     if strip_backward is None:
-        return FastDepthwise(strip_forward, backward_data, backward_filter_sum, STRIP, 1, vector, None, lanes)
-    return FastDepthwise(strip_forward, strip_backward, backward_filter_sum, STRIP, STRIP, vector, vector_backward,
-                         lanes)
-
-
-def _vector_kernels(storage: str, geometry: tuple, shared: bool, block_weights: Any) -> tuple:
-    """(forward, backward_data or None, lanes), or Nones: `_strip_kernels`' forward (and
-    at stride 1 its input gradient) for LANES consecutive channels a thread (the 8 bytes
-    of one `load_u64`: 2 float32 values, 4 16-bit ones), each column of x (d_z) read with
-    one load and each output column written with one store, where the layer's channel
-    multiplier is 1 and LANES divides C. Each value's sum is the strip kernel's (its taps
-    in order, the bias, the ReLU), and its stored bits too (`encode` gives the bits
-    `store` writes)."""
-    io = storage_io(storage)
-    load, part, encode = io.load, io.part, io.encode
-    H, W, C, OH, OW, OC, KH, KW, SH, SW, PH, PW, DH, DW, M = geometry
-    width = 32 if storage == "float32" else 16
-    LANES = 64 // width
-    if M != 1 or C % LANES:
-        return None, None, None
-    TAPS = KH * KW
-    R = STRIP
-    SPAN = (R - 1) * SW + (KW - 1) * DW + 1
-    U = np.uint32
-    H_, W_, OH_, OW_, C_ = (U(v) for v in (H, W, OH, OW, C))
-    SH_, SW_, PH_, PW_, R_, LANES_ = (U(v) for v in (SH, SW, PH, PW, R, LANES))
-    OWS_, GROUPS_ = U(-(-OW // R)), U(C // LANES)  # strips a row of y, channel groups
-    WIDTH = np.uint64(width)
-    ACC, WK = R * LANES, TAPS * LANES  # local arrays' sizes: compile-time constants
-
-    if shared:
-        @cuda.jit(device=True, inline=True)
-        def tap_weight(w_t, oc, tap):
-            return w_t[U(tap * OC) + oc]
-    else:
-        @cuda.jit(device=True, inline=True)
-        def tap_weight(w_t, oc, tap):
-            return load(w_t, oc * U(TAPS) + U(tap))
-
-    @cuda.jit
-    def forward(x, w, b, has_bias, relu, y):
-        w_t = block_weights(w)
-        acc = cuda.local.array(ACC, dtype=np.float32)
-        wk = cuda.local.array(WK, dtype=np.float32)
-        total = y.size // (OW * OC) * (-(-OW // R)) * (C // LANES)
-        for t in range(cuda.grid(1), total, cuda.gridsize(1)):
-            u = U(t)
-            c0 = u % GROUPS_ * LANES_
-            s = u // GROUPS_
-            ow0 = s % OWS_ * R_
-            s = s // OWS_
-            oh = s % OH_
-            n = s // OH_
-            ih0 = oh * SH_  # + PH, as in the strip kernel
-            iw0 = ow0 * SW_
-            for tap in range(TAPS):
-                for k in range(LANES):
-                    wk[tap * LANES + k] = tap_weight(w_t, c0 + U(k), tap)
-            for i in range(ACC):
-                acc[i] = ZERO
-            for kh in range(KH):
-                ih = ih0 + U(kh * DH)
-                if ih >= PH_ and ih < H_ + PH_:
-                    row = (n * H_ + ih - PH_) * W_
-                    for j in range(SPAN):
-                        iw = iw0 + U(j)
-                        if iw >= PW_ and iw < W_ + PW_:
-                            raw = load_u64(x, ((row + iw - PW_) * C_ + c0) // LANES_)
-                            for kw in range(KW):
-                                rem = j - kw * DW
-                                if rem >= 0 and rem % SW == 0 and rem // SW < R:
-                                    if ow0 + U(rem // SW) < OW_:
-                                        for k in range(LANES):
-                                            acc[(rem // SW) * LANES + k] += (part(raw, k)
-                                                                             * wk[(kh * KW + kw) * LANES + k])
-            out = (n * OH_ + oh) * OW_ + ow0
-            for r in range(R):
-                if ow0 + U(r) < OW_:
-                    packed = np.uint64(0)
-                    for k in range(LANES):
-                        v = acc[r * LANES + k]
-                        if has_bias:
-                            v += load(b, c0 + U(k))
-                        if relu and v < ZERO:
-                            v = ZERO
-                        bits, _ = encode(v)
-                        packed |= bits << (WIDTH * np.uint64(k))
-                    store_u64(y, ((out + U(r)) * C_ + c0) // LANES_, packed)
-
-    if SH != 1 or SW != 1:
-        return forward, None, LANES
-    LOW = -(KW - 1) * DW  # as in _strip_input_gradient
-    LOW_ = U(-LOW)
-    ROWS_ABOVE = (KH - 1) * DH
-    ROWS_ABOVE_ = U(ROWS_ABOVE)
-    WS_ = U(-(-W // R))
-
-    @cuda.jit
-    def backward_data(d_z, w, d_x):
-        # _strip_kernels' input gradient for LANES channels (M == 1: output channel c
-        # reads input channel c).
-        w_t = block_weights(w)
-        acc = cuda.local.array(ACC, dtype=np.float32)
-        wk = cuda.local.array(WK, dtype=np.float32)
-        total = d_x.size // (W * C) * (-(-W // R)) * (C // LANES)
-        for t in range(cuda.grid(1), total, cuda.gridsize(1)):
-            u = U(t)
-            c0 = u % GROUPS_ * LANES_
-            s = u // GROUPS_
-            iw0 = s % WS_ * R_
-            s = s // WS_
-            ih = s % H_
-            n = s // H_
-            for i in range(ACC):
-                acc[i] = ZERO
-            for tap in range(TAPS):
-                for k in range(LANES):
-                    wk[tap * LANES + k] = tap_weight(w_t, c0 + U(k), tap)
-            for kh in range(KH):
-                th = ih + U(PH + ROWS_ABOVE - kh * DH)
-                if th >= ROWS_ABOVE_ and th < OH_ + ROWS_ABOVE_:
-                    row = (n * OH_ + th - ROWS_ABOVE_) * OW_
-                    for kk in range(R - LOW):
-                        q = R - 1 - kk
-                        tw = iw0 + U(PW + q - LOW)
-                        if tw >= LOW_ and tw < OW_ + LOW_:
-                            raw = load_u64(d_z, ((row + tw - LOW_) * C_ + c0) // LANES_)
-                            for kw in range(KW):
-                                r = q + kw * DW
-                                if r >= 0 and r < R:
-                                    if iw0 + U(r) < W_:
-                                        for k in range(LANES):
-                                            acc[r * LANES + k] += part(raw, k) * wk[(kh * KW + kw) * LANES + k]
-            out = (n * H_ + ih) * W_ + iw0
-            for r in range(R):
-                if iw0 + U(r) < W_:
-                    packed = np.uint64(0)
-                    for k in range(LANES):
-                        bits, _ = encode(acc[r * LANES + k])
-                        packed |= bits << (WIDTH * np.uint64(k))
-                    store_u64(d_x, ((out + U(r)) * C_ + c0) // LANES_, packed)
-
-    return forward, backward_data, LANES
+        return FastDepthwise(strip_forward, backward_data, backward_filter_sum, STRIP, 1)
+    return FastDepthwise(strip_forward, strip_backward, backward_filter_sum, STRIP, STRIP)
 
 
 def _strip_kernels(storage: str, geometry: tuple, shared: bool, block_weights: Any) -> tuple:
