@@ -158,18 +158,20 @@ def acting_step(model: nn.Module, mode: str, x: torch.Tensor, timer: Timer):
 
 
 class SideFailed(Exception):
-    """The warm-up of one side ("torch" or "ours") of a comparison raised (its cause)."""
+    """One side ("torch" or "ours") of a comparison raised (its cause), in its `phase`:
+    "warm-up" (building, capturing or compiling, and the first calls) or "timed runs"
+    (the rounds, where the sides take turns)."""
 
-    def __init__(self, side: str) -> None:
-        super().__init__(side)
-        self.side = side
+    def __init__(self, side: str, phase: str = "warm-up") -> None:
+        super().__init__(side, phase)
+        self.side, self.phase = side, phase
 
 
 def failure(e: Exception) -> str:
-    """A table cell for a comparison that raised: which side's warm-up, and the error."""
+    """A table cell for a comparison that raised: whose side, in which phase, and the error."""
     side = ""
     if isinstance(e, SideFailed):
-        side, e = {"torch": "PyTorch's side", "ours": "our side"}[e.side] + ": ", e.__cause__
+        side, e = {"torch": "PyTorch's side", "ours": "our side"}[e.side] + f", {e.phase}: ", e.__cause__
     return f"failed ({side}{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
 
 
@@ -204,7 +206,12 @@ def compare(name: str, precision: str, mode: str, row: str, args) -> dict | None
     times = {"torch": [], "ours": []}
     for _ in range(args.rounds):
         for side in ("torch", "ours"):
-            times[side].append(timer(steps[side], args.iters))
+            try:
+                # The timer synchronises after the side's runs, so a CUDA error of them
+                # surfaces here (the other side's work was synchronised before).
+                times[side].append(timer(steps[side], args.iters))
+            except Exception as e:
+                raise SideFailed(side, "timed runs") from e
     return {side: tuple(statistics.median(t[i] for t in ts) for i in (0, 1)) for side, ts in times.items()}
 
 

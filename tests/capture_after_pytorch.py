@@ -2,8 +2,10 @@
 illegal memory access poisons the process's context): scripts/bench_networks.py's "graph"
 mode on a CIFAR-style conv-BN-ReLU network. The plain PyTorch network's training step is
 captured in torch.cuda.graph and replayed first, then the same network with the module
-swapped in; the module's captured steps must give the parameters and running statistics
-of the same steps run eagerly.
+swapped in; then the two graphs are replayed in turns, as the benchmark times them (at
+9e2e185 the benchmark's turns ended in an illegal memory access on the H100 where a
+capture and replays of ours alone did not). The module's captured steps must give the
+parameters and running statistics of the same steps run eagerly.
 
     python tests/capture_after_pytorch.py PRECISION BATCH [ORDER]
         PRECISION: strict or tf32; ORDER: "pytorch-then-ours" (default), "ours" (ours alone) or
@@ -11,7 +13,8 @@ of the same steps run eagerly.
 
 Prints "OK", or "DIFFER" and the first parameter that differs (exit 1); "PYTORCH FAILED"
 and the error where PyTorch's own captured network fails before ours runs (exit 3);
-another non-zero exit on a CUDA error in ours.
+"REPLAY FAILED", whose replay (synchronised after each) and the error, where a replay
+fails once ours was captured (exit 4); another non-zero exit on another CUDA error.
 """
 
 from __future__ import annotations
@@ -82,8 +85,17 @@ def main() -> int:
             print("OK")
             return 0
     our_graph = torch_graph(training_step(ours, x, target))
-    for _ in range(REPLAYS):
-        our_graph.replay()
+    # The benchmark's turns: PyTorch's graph, then ours (ours alone: ours only).
+    turns = ([("PyTorch's", pytorch_graph)] if order == "pytorch-then-ours" else []) + [("ours", our_graph)]
+    for i in range(REPLAYS):
+        for whose, graph in turns:
+            try:
+                graph.replay()
+                torch.cuda.synchronize()  # an error surfaces at the replay that caused it
+            except Exception as e:  # noqa: BLE001 - reported, and the process ends
+                print(f"REPLAY FAILED: {whose} replay {i + 1} of {REPLAYS} (our graph captured after PyTorch's: "
+                      f"{order != 'ours'}): {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+                return 4
     step = training_step(eager, x, target)
     for _ in range(3 + REPLAYS):  # the warm-up steps and the replays
         step()

@@ -1084,8 +1084,9 @@ def test_the_module_captured_in_a_torch_cuda_graph_replays_like_eager():
 @pytest.mark.parametrize("precision", ["strict", "tf32"])
 def test_a_network_of_modules_captured_in_a_torch_cuda_graph_replays_like_eager(precision, order):
     """scripts/bench_networks.py's graph mode on a CIFAR-style network at batch 128: ours
-    alone, and after PyTorch's own network was captured and replayed (the benchmark's
-    order, whose run at 635a279 ended in an illegal memory access: docs/benchmarks.md).
+    alone, and after PyTorch's own network was captured and replayed, the two graphs then
+    replayed in turns (the benchmark's order, whose runs at 635a279 and 9e2e185 ended in an
+    illegal memory access: docs/benchmarks.md).
     In a process of its own (tests/capture_after_pytorch.py): a CUDA error poisons the
     process. Where PyTorch's own captured network fails before ours runs, that is
     PyTorch's failure, not this library's: the test skips, saying so."""

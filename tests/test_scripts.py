@@ -92,9 +92,34 @@ def test_a_network_comparison_that_fails_says_whose_side_failed(monkeypatch):
     args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=1, iters=1)
     with pytest.raises(bench_networks.SideFailed) as failed:
         bench_networks.compare("digits_cnn", "strict", "eager", "act", args)
-    assert failed.value.side == "torch"
-    assert bench_networks.failure(failed.value) == ("failed (PyTorch's side: RuntimeError: an illegal memory access "
-                                                    "was encountered)")
+    assert (failed.value.side, failed.value.phase) == ("torch", "warm-up")
+    assert bench_networks.failure(failed.value) == ("failed (PyTorch's side, warm-up: RuntimeError: an illegal memory "
+                                                    "access was encountered)")
+
+
+def test_a_network_comparison_that_fails_in_its_timed_runs_says_whose_runs_failed(monkeypatch):
+    """The sides take turns in the timed rounds, each ending with a synchronisation: an
+    error there is the side's whose runs raised (here ours, after its warm-up passed)."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_networks
+
+    theirs, ours = bench_networks.models("digits_cnn", "cpu", torch.float32)
+    calls = []
+    real_forward = ours.forward
+
+    def failing_after_warm_up(x):
+        calls.append(1)
+        if len(calls) > 3:  # the warm-up's three calls pass
+            raise RuntimeError("an illegal memory access was encountered")
+        return real_forward(x)
+    ours.forward = failing_after_warm_up
+    monkeypatch.setattr(bench_networks, "models", lambda *a: (theirs, ours))
+    args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=1, iters=1)
+    with pytest.raises(bench_networks.SideFailed) as failed:
+        bench_networks.compare("digits_cnn", "strict", "eager", "act", args)
+    assert (failed.value.side, failed.value.phase) == ("ours", "timed runs")
+    assert bench_networks.failure(failed.value).startswith("failed (our side, timed runs: RuntimeError: an illegal")
 
 
 def test_the_networks_benchmark_times_the_dqn_loop_of_each_variant_on_the_cpu():
