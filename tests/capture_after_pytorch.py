@@ -9,7 +9,8 @@ parameters and running statistics of the same steps run eagerly.
 
     python tests/capture_after_pytorch.py PRECISION BATCH [ORDER]
         PRECISION: strict or tf32; ORDER: "pytorch-then-ours" (default), "ours" (ours alone) or
-        "pytorch" (PyTorch's alone: whether its own captured network runs)
+        "pytorch" (PyTorch's alone, replayed as often as in "pytorch-then-ours": whether its
+        own captured network runs)
 
 Prints "OK", or "DIFFER" and the first parameter that differs (exit 1); "PYTORCH FAILED"
 and the error where PyTorch's own captured network fails before ours runs (exit 3);
@@ -82,6 +83,16 @@ def main() -> int:
             print(f"PYTORCH FAILED {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
             return 3
         if order == "pytorch":
+            # As many replays as PyTorch's graph gets in "pytorch-then-ours": a failure
+            # there that PyTorch's graph alone also has is not ours.
+            for i in range(REPLAYS):
+                try:
+                    pytorch_graph.replay()
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001 - reported, and the process ends
+                    print(f"PYTORCH FAILED at replay {4 + i} of its own {type(e).__name__}: "
+                          f"{(str(e).splitlines() or [''])[0]}")
+                    return 3
             print("OK")
             return 0
     our_graph = torch_graph(training_step(ours, x, target))
