@@ -118,9 +118,24 @@ def torch_timed(run, iters: int) -> tuple[float, float]:
     return timed(run, event, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize, iters)
 
 
-def torch_graph(step, warmup=None, no_grad: bool = False):
+class Captured:
+    """A CUDA graph with what its replays read and write kept alive: `step` (a closure
+    over the model, its optimizer and inputs). A graph holds the addresses of the
+    parameters, gradients and optimizer state its capture used, not the tensors; dropped,
+    they go back to torch's allocator while replays still write into them (the blocks
+    handed to whatever asks next)."""
+
+    def __init__(self, graph, step) -> None:
+        self.graph, self.step = graph, step
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def torch_graph(step, warmup=None, no_grad: bool = False) -> Captured:
     """`step` captured in a CUDA graph after three `warmup` calls (default `step`) on a side
-    stream, PyTorch's capture recipe; `no_grad` runs both under torch.no_grad."""
+    stream, PyTorch's capture recipe; `no_grad` runs both under torch.no_grad. The
+    result keeps `step` (and so what it closes over) alive with the graph."""
     import contextlib
 
     import torch
@@ -135,7 +150,7 @@ def torch_graph(step, warmup=None, no_grad: bool = False):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), grad():
         step()
-    return graph
+    return Captured(graph, (step, warmup))
 
 
 def torch_dtype(spec):

@@ -211,3 +211,36 @@ def test_the_breakdown_scripts_depthwise_variants_build_the_kernels_they_name(va
     with breakdown.depthwise_variant(variant):
         assert built() == (forward, weights)
     assert built() == ("strip", "fast")
+
+
+@pytest.mark.parametrize("row", ["train", "act"])
+def test_the_networks_benchmarks_captured_steps_keep_their_model_and_optimizer_alive(row):
+    """A CUDA graph holds the addresses its capture used, not the tensors: the replay that
+    bench_networks.py times must keep the model (and the training step's optimizer, whose
+    state it updates) alive after the caller drops them, or replays write into blocks
+    torch's allocator hands to others."""
+    import gc
+    import weakref
+
+    from conftest import HAVE_GPU, NO_GPU_REASON
+    if not HAVE_GPU:
+        pytest.skip(NO_GPU_REASON)
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_networks
+
+    model = bench_networks.network("digits_cnn").to("cuda", memory_format=torch.channels_last)
+    x = torch.randn(4, 1, 8, 8, device="cuda").contiguous(memory_format=torch.channels_last)
+    if row == "train":
+        replay = bench_networks.training_step(model, "graph", x, torch.randn(4, 10, device="cuda"))
+    else:
+        replay = bench_networks.acting_step(model, "graph", x, bench_networks.Timer("cuda"))
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is not None
+    replay()
+    torch.cuda.synchronize()
+    del replay
+    gc.collect()
+    assert alive() is None  # nothing else held it: the replay was what kept it
