@@ -105,6 +105,8 @@ def host_us(run, n: int, sync) -> float:
 
 def profile_rows(run, n: int, top: int) -> list[tuple[str, float, int]]:
     """(file:function, own us per call, calls per call) of the `top` functions by own time."""
+    for _ in range(max(10, n // 10)):  # warm-up, as host_us: first calls of a mode check and plan
+        run()
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(n):
@@ -140,16 +142,15 @@ def main() -> None:
     print(f"Host time per call, {args.shape}{' bn' if args.bn else ''} {args.dtype}, batch {args.batch}, "
           f"{args.device}, {args.calls} calls:\n")
     print("| row | ours us | PyTorch us | ours - PyTorch |\n| --- | ---: | ---: | ---: |")
-    runs = {}
     for row in ("act", "train"):
-        runs[row] = calls(ours, x, row)
-        t_ours = host_us(runs[row], args.calls, sync)
+        t_ours = host_us(calls(ours, x, row), args.calls, sync)
         t_theirs = host_us(calls(theirs, x, row), args.calls, sync)
         print(f"| {row} | {t_ours:.1f} | {t_theirs:.1f} | {t_ours - t_theirs:+.1f} |", flush=True)
-    for row, run in runs.items():
+    for row in ("act", "train"):
         print(f"\nOurs, {row}: own time per call by function (cProfile), the {args.top} largest:\n")
         print("| function | us per call | calls per call |\n| --- | ---: | ---: |")
-        for name, us, per in profile_rows(run, max(1, args.calls // 4), args.top):
+        # calls() sets the model's mode (eval for acting): made again here, after the other row's.
+        for name, us, per in profile_rows(calls(ours, x, row), max(1, args.calls // 4), args.top):
             print(f"| {name} | {us:.2f} | {per:.1f} |")
 
     stub_backend(ours, x)
