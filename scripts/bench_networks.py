@@ -4,7 +4,7 @@ side by side in one process, timed in turns.
 
     python scripts/bench_networks.py [--device cuda|cpu] [--networks nature_dqn,impala_cnn,cifar_resnet]
         [--precisions default,strict,bfloat16] [--modes eager,graph,compile,reduce-overhead]
-        [--rows train,act,loop] [--rounds 5] [--iters 10] [--out DIR]
+        [--rows train,act,loop] [--rounds 5] [--iters 10] [--out DIR] [--isolate]
 
 Rows: the training step (forward, loss, backward, Adam step; the network's training batch)
 and acting (eval, no_grad, batch 1, then a synchronisation). Precisions: "default"
@@ -20,13 +20,20 @@ and compile). Row "loop": the Breakout demo's DQN loop end to end in environment
 per second (scripts/rl_loop.py: plain PyTorch eager, with the module, with PyTorch's
 training step in torch.cuda.graph, and this library's demo path), its variants timed in
 turns. `--out DIR` writes DIR/bench_networks_{cuda,cpu}.md with the provenance line.
+
+A CUDA error (an illegal memory access) leaves the process's CUDA context unusable, so
+every row after it would fail too: after a row fails with one, each later row (and the
+loop) runs in a process of its own (this script with `--one`), and `--isolate` does so
+for every row from the start.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -227,6 +234,48 @@ def loop_table(args) -> list[str]:
     return lines
 
 
+def is_cuda_error(e: Exception) -> bool:
+    """Whether `e` (or what it was raised from) is a CUDA error, after which the process's
+    CUDA context is unusable."""
+    while e is not None:
+        if type(e).__name__ == "AcceleratorError" or "CUDA error" in str(e):
+            return True
+        e = e.__cause__
+    return False
+
+
+def run_alone(args, name: str, precision: str, mode: str, row: str) -> dict:
+    """One comparison (or, row "loop", the loop's table) in a process of its own: what
+    `--one` prints, {"times": compare's result or None} or {"failed": the cell} or
+    {"lines": the loop's}; a process that dies without saying is a failed cell."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--one", "--device", args.device, "--networks", name,
+               "--precisions", precision, "--modes", mode, "--rows", row, "--rounds", str(args.rounds),
+               "--iters", str(args.iters), "--loop-warmup", str(args.loop_warmup),
+               "--loop-steps", str(args.loop_steps)]
+    if args.train_batch:
+        command += ["--train-batch", str(args.train_batch)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    said = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode == 0 and said:
+        return json.loads(said[-1])
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"failed": f"failed (its own process ended, exit {done.returncode}: {last[:120]})"}
+
+
+def one(args, precisions: list[str], modes: list[str], rows: list[str]) -> None:
+    """`--one`: the single comparison the arguments name, as one JSON line."""
+    name, precision, mode, row = args.networks, precisions[0], modes[0], rows[0]
+    if row == "loop":
+        print(json.dumps({"lines": loop_table(args)}))
+        return
+    try:
+        got = compare(name, precision, mode, row, args)
+    except Exception as e:  # the cell says so, as in the parent's own rows
+        print(json.dumps({"failed": failure(e)}))
+        return
+    print(json.dumps({"times": got}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
@@ -241,6 +290,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--train-batch", type=int, default=None, help="instead of each network's training batch")
     ap.add_argument("--out", default=None, help="a folder to write bench_networks_{device}.md into")
+    ap.add_argument("--isolate", action="store_true", help="every row in a process of its own (see the docstring)")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child of run_alone
     args = ap.parse_args()
     cuda = args.device == "cuda"
     precisions = (args.precisions or ("default,strict,bfloat16" if cuda else "strict,bfloat16")).split(",")
@@ -250,23 +301,37 @@ def main() -> None:
         bad = [v for v in given if v not in known]
         if bad:
             ap.error(f"unknown {what} {bad}; expected from {list(known)}")
+    rows = args.rows.split(",")
+    bad = [r for r in rows if r not in ("train", "act", "loop")]
+    if bad:
+        ap.error(f"unknown row {bad}; expected from ['train', 'act', 'loop']")
+    if args.one:
+        if len(precisions) != 1 or len(modes) != 1 or len(rows) != 1 or "," in args.networks:
+            ap.error("--one: expected one network, precision, mode and row")
+        one(args, precisions, modes, rows)
+        return
     gpu_columns = "ours GPU ms | torch GPU ms | ratio | " if cuda else ""
     head = (f"| network | row | precision | mode | {gpu_columns}ours wall ms | torch wall ms | ratio |\n"
             f"| --- | --- | --- | --- | {'---: | ' * (6 if cuda else 3)}".rstrip())
     lines = [head]
     print(head, flush=True)
-    rows = args.rows.split(",")
-    bad = [r for r in rows if r not in ("train", "act", "loop")]
-    if bad:
-        ap.error(f"unknown row {bad}; expected from ['train', 'act', 'loop']")
+    alone = args.isolate  # each row in a process of its own: asked for, or since a CUDA error
     for name in args.networks.split(",") if set(rows) - {"loop"} else []:
         for row in (r for r in rows if r != "loop"):
             for precision in precisions:
                 for mode in modes:
-                    try:
-                        got = compare(name, precision, mode, row, args)
-                    except Exception as e:  # a mode that fails is a finding: its row says so
-                        line = f"| {name} | {row} | {precision} | {mode} | {failure(e)} |{' |' * (5 if cuda else 2)}"
+                    failed = got = None
+                    if alone:
+                        said = run_alone(args, name, precision, mode, row)
+                        failed, got = said.get("failed"), said.get("times")
+                    else:
+                        try:
+                            got = compare(name, precision, mode, row, args)
+                        except Exception as e:  # a mode that fails is a finding: its row says so
+                            failed = failure(e)
+                            alone = alone or is_cuda_error(e)
+                    if failed is not None:
+                        line = f"| {name} | {row} | {precision} | {mode} | {failed} |{' |' * (5 if cuda else 2)}"
                     else:
                         if got is None:
                             continue
@@ -276,7 +341,13 @@ def main() -> None:
                     lines.append(line)
                     print(line, flush=True)
     if "loop" in rows:
-        lines += ["", *loop_table(args)]
+        if alone:
+            said = run_alone(args, "nature_dqn", precisions[0], modes[0], "loop")
+            loop_lines = said.get("lines") or [f"The DQN loop: {said.get('failed')}"]
+            print("\n".join(loop_lines), flush=True)
+        else:
+            loop_lines = loop_table(args)
+        lines += ["", *loop_lines]
     if args.out:
         text = ["# conv2d: whole networks, the module swapped in vs plain PyTorch", "",
                 "Ratios are ours / PyTorch (below 1: ours is faster); medians over rounds timed in turns "

@@ -122,6 +122,51 @@ def test_a_network_comparison_that_fails_in_its_timed_runs_says_whose_runs_faile
     assert bench_networks.failure(failed.value).startswith("failed (our side, timed runs: RuntimeError: an illegal")
 
 
+def test_after_a_cuda_error_the_networks_benchmark_runs_each_later_row_in_a_process_of_its_own(monkeypatch, capsys):
+    """A CUDA error leaves the process's context unusable: the failing row says so, and
+    the rows after it run in processes of their own (run_alone), not in the poisoned one."""
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_networks
+
+    class AcceleratorError(RuntimeError):  # torch's class name for CUDA errors
+        pass
+    ran_here, ran_alone = [], []
+
+    def compare(name, precision, mode, row, args):
+        ran_here.append(row)
+        raise bench_networks.SideFailed("ours", "timed runs") from AcceleratorError(
+            "CUDA error: an illegal memory access was encountered")
+
+    def run_alone(args, name, precision, mode, row):
+        ran_alone.append(row)
+        return {"times": {"ours": [2.0, 2.0], "torch": [1.0, 1.0]}}
+    monkeypatch.setattr(bench_networks, "compare", compare)
+    monkeypatch.setattr(bench_networks, "run_alone", run_alone)
+    monkeypatch.setattr(sys, "argv", ["bench_networks.py", "--device", "cpu", "--networks", "digits_cnn",
+                                      "--precisions", "strict,bfloat16", "--modes", "eager", "--rows", "train,act"])
+    bench_networks.main()
+    out = capsys.readouterr().out
+    assert ran_here == ["train"] and ran_alone == ["train", "act", "act"]
+    assert "| digits_cnn | train | strict | eager | failed (our side, timed runs: AcceleratorError: CUDA error" in out
+    assert "| digits_cnn | act | bfloat16 | eager | 2.000 | 1.000 | 2.00 |" in out
+
+
+def test_a_row_run_alone_reports_what_its_process_measured_or_how_it_ended():
+    """bench_networks.py --one (what run_alone starts): one comparison's times as JSON; a
+    process that ends without them is a failed cell with its exit status."""
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_networks
+
+    args = bench_networks.argparse.Namespace(device="cpu", rounds=1, iters=1, loop_warmup=10, loop_steps=5,
+                                             train_batch=2)
+    said = bench_networks.run_alone(args, "digits_cnn", "strict", "eager", "act")
+    assert set(said) == {"times"} and set(said["times"]) == {"ours", "torch"}
+    said = bench_networks.run_alone(args, "no_such_network", "strict", "eager", "act")
+    assert said["failed"].startswith("failed (its own process ended, exit 2: ")
+
+
 def test_the_networks_benchmark_times_the_dqn_loop_of_each_variant_on_the_cpu():
     pytest.importorskip("torch")
     pytest.importorskip("minatar", reason="MinAtar (extra breakout) is not installed")
