@@ -61,7 +61,10 @@ def depthwise_variant(variant: str):
         kernels.fast_depthwise_kernels.cache_clear()
 
 
-def measure(spec, steps: int, config, depthwise_kernel: str = "auto") -> tuple[dict[str, float], float, int]:
+def measure(spec, steps: int, config, depthwise_kernel: str = "auto") -> tuple[dict[str, float], float, int, str]:
+    """(median ms of each labelled piece of an eager step, GPU ms of the step as a graph,
+    the row kernels' block count, the convolutions' kernels the layer took: "numba" or
+    "cudnn")."""
     from conv2d import Conv2d
     from conv2d.cuda import cudnn
     from conv2d.cuda.launch import Launch
@@ -117,7 +120,7 @@ def measure(spec, steps: int, config, depthwise_kernel: str = "auto") -> tuple[d
 
     graph = layer.capture(x, dy)
     medians = {k: statistics.median(v) for k, v in per.items()}
-    return medians, gpu_ms(cuda, stream, graph.replay, steps), plan_blocks(impl)
+    return medians, gpu_ms(cuda, stream, graph.replay, steps), plan_blocks(impl), impl.depthwise_kernel
 
 
 def gpu_ms(cuda, stream, fn, n: int = 10) -> float:
@@ -178,7 +181,8 @@ def main() -> None:
                 for bn, variant in ((b, v) for b in args.bn.split(",") for v in variants):
                     spec = bench_spec(shape, bn == "1", dtype)
                     with depthwise_variant(variant):
-                        pieces, graph_ms, P = measure(spec, args.steps, config, args.depthwise_kernel)
+                        pieces, graph_ms, P, convolutions = measure(spec, args.steps, config,
+                                                                    args.depthwise_kernel)
                     item = 4 if dtype == "float32" else 2
                     values = int(np.prod(spec.output_shape))
                     parts = []
@@ -187,9 +191,7 @@ def main() -> None:
                         if label in ROW_TRAFFIC:
                             text += f" ({ROW_TRAFFIC[label] * values * item / (ms * 1e-3) / 1e12:.2f} TB/s)"
                         parts.append(text)
-                    numba = args.depthwise_kernel == "numba" or (args.depthwise_kernel == "auto"
-                                                                  and 1 < spec.groups == spec.in_channels)
-                    shown = f" depthwise={variant}" if numba else ""
+                    shown = f" depthwise={variant}" if convolutions == "numba" else ""
                     print(f"{shape} {dtype} bn={bn}{shown} wide={int(wide)} unroll={unroll} "
                           f"phase_two_unroll={two} phase_group={group} bounded={int(bounded)} blocks={P}: graph {1e3 * graph_ms:.1f} us, "
                           f"eager pieces {1e3 * sum(pieces.values()):.1f} us = " + ", ".join(parts), flush=True)

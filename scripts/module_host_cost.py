@@ -97,16 +97,21 @@ def stub_backend(model: nn.Module, x: torch.Tensor) -> None:
         calls(model, x, row)()
 
 
-def host_us(run, n: int, sync) -> float:
-    for _ in range(max(10, n // 10)):  # warm-up: plans, CUDA graphs of the module's calls
+def warm_up(run, n: int) -> None:
+    """Calls before the `n` measured ones: plans, CUDA graphs of the module's calls, and
+    the first calls of a mode, which check and view the parameters."""
+    for _ in range(max(10, n // 10)):
         run()
+
+
+def host_us(run, n: int, sync) -> float:
+    warm_up(run, n)
     return per_call_us(run, n, sync)
 
 
 def profile_rows(run, n: int, top: int) -> list[tuple[str, float, int]]:
     """(file:function, own us per call, calls per call) of the `top` functions by own time."""
-    for _ in range(max(10, n // 10)):  # warm-up, as host_us: first calls of a mode check and plan
-        run()
+    warm_up(run, n)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(n):

@@ -55,6 +55,24 @@ def training_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor):
     return step
 
 
+def first_line(e: Exception) -> str:
+    return (str(e).splitlines() or [""])[0]
+
+
+def replay_in_turns(turns: list) -> str | None:
+    """Each graph of `turns` ((whose, graph) pairs) replayed REPLAYS times, in turns, each
+    replay synchronised (an error surfaces at the replay that caused it): None, or which
+    replay failed and with what."""
+    for i in range(REPLAYS):
+        for whose, graph in turns:
+            try:
+                graph.replay()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - reported, and the process ends
+                return f"{whose} replay {i + 1} of {REPLAYS}: {type(e).__name__}: {first_line(e)}"
+    return None
+
+
 def main() -> int:
     precision, batch = sys.argv[1], int(sys.argv[2])
     order = sys.argv[3] if len(sys.argv) > 3 else "pytorch-then-ours"
@@ -80,33 +98,24 @@ def main() -> int:
                 pytorch_graph.replay()
             torch.cuda.synchronize()  # an error of PyTorch's own work surfaces here, before ours runs
         except Exception as e:  # noqa: BLE001 - reported, and the process ends
-            print(f"PYTORCH FAILED {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+            print(f"PYTORCH FAILED {type(e).__name__}: {first_line(e)}")
             return 3
         if order == "pytorch":
             # As many replays as PyTorch's graph gets in "pytorch-then-ours": a failure
             # there that PyTorch's graph alone also has is not ours.
-            for i in range(REPLAYS):
-                try:
-                    pytorch_graph.replay()
-                    torch.cuda.synchronize()
-                except Exception as e:  # noqa: BLE001 - reported, and the process ends
-                    print(f"PYTORCH FAILED at replay {4 + i} of its own {type(e).__name__}: "
-                          f"{(str(e).splitlines() or [''])[0]}")
-                    return 3
+            failed = replay_in_turns([("PyTorch's", pytorch_graph)])
+            if failed is not None:
+                print(f"PYTORCH FAILED alone, after its first 3 replays: {failed}")
+                return 3
             print("OK")
             return 0
     our_graph = torch_graph(training_step(ours, x, target))
     # The benchmark's turns: PyTorch's graph, then ours (ours alone: ours only).
     turns = ([("PyTorch's", pytorch_graph)] if order == "pytorch-then-ours" else []) + [("ours", our_graph)]
-    for i in range(REPLAYS):
-        for whose, graph in turns:
-            try:
-                graph.replay()
-                torch.cuda.synchronize()  # an error surfaces at the replay that caused it
-            except Exception as e:  # noqa: BLE001 - reported, and the process ends
-                print(f"REPLAY FAILED: {whose} replay {i + 1} of {REPLAYS} (our graph captured after PyTorch's: "
-                      f"{order != 'ours'}): {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
-                return 4
+    failed = replay_in_turns(turns)
+    if failed is not None:
+        print(f"REPLAY FAILED: {failed} (our graph captured after PyTorch's: {order != 'ours'})")
+        return 4
     step = training_step(eager, x, target)
     for _ in range(3 + REPLAYS):  # the warm-up steps and the replays
         step()
