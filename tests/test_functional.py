@@ -284,6 +284,64 @@ def test_the_reference_functions_read_weights_replaced_between_calls(how):
     assert not np.array_equal(first, layer.evaluate(x))
 
 
+def _count_checks(monkeypatch):
+    from conv2d.reference import functional as ref
+
+    calls = []
+    real = ref._check_params
+    monkeypatch.setattr(ref, "_check_params", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_the_reference_functions_check_new_dicts_of_views_over_the_same_memory_once(lib, monkeypatch):
+    """New dicts of new array objects over the memory of an earlier call's (what the
+    registered torch ops hand over under torch.compile) are checked once, not every call."""
+    spec = functional_spec("batch_norm")
+    layer = make_layer(spec)
+    params, running = split_state(layer.state_dict())
+    if lib == "torch":
+        torch = pytest.importorskip("torch", reason="torch is not installed")
+        params = {k: torch.from_numpy(v) for k, v in params.items()}
+        running = {k: torch.from_numpy(v) for k, v in running.items()}
+    fresh = (lambda d: {k: v.view(v.shape) for k, v in d.items()}) if lib == "torch" else \
+        (lambda d: {k: v.view() for k, v in d.items()})
+    x, _ = inputs_at(spec, 2)
+    calls = _count_checks(monkeypatch)
+    first = layer.functions.evaluate(fresh(params), x, fresh(running))
+    for _ in range(3):
+        np.testing.assert_array_equal(layer.functions.evaluate(fresh(params), x, fresh(running)), first)
+    assert len(calls) == 1
+
+
+def test_the_reference_functions_check_a_new_dict_over_other_memory_anew(monkeypatch):
+    spec = functional_spec("none")
+    layer = make_layer(spec)
+    params = layer.state_dict()
+    x, _ = inputs_at(spec, 2)
+    calls = _count_checks(monkeypatch)
+    first = layer.functions.evaluate(dict(params), x)
+    other = {k: v * 2 for k, v in params.items()}
+    assert not np.array_equal(layer.functions.evaluate(other, x), first)
+    assert len(calls) == 2
+
+
+def test_the_reference_functions_refuse_an_array_reshaped_in_place_after_a_call_by_memory():
+    """A view kept by the address cache is not the caller's object: reshaping the caller's
+    array in place is seen, and a new array of the old shape at that address still works."""
+    spec = functional_spec("none")
+    layer = make_layer(spec)
+    params = layer.state_dict()
+    x, _ = inputs_at(spec, 2)
+    first = layer.functions.evaluate(dict(params), x)
+    w = params["weights"]
+    w.shape = (w.size,)
+    with pytest.raises(ValueError, match=r"params\['weights'\]: expected shape \(3, 3, 3, 2\)"):
+        layer.functions.evaluate(dict(params), x)
+    np.testing.assert_array_equal(layer.functions.evaluate({**params, "weights": w.reshape(spec.weight_shape)}, x),
+                                  first)
+
+
 def test_the_reference_functions_refuse_an_array_reshaped_in_place_after_a_good_call():
     spec = functional_spec("none")
     layer = make_layer(spec)

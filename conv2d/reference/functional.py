@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from conv2d import activations
-from conv2d.arrays import host_view, to_library
+from conv2d.arrays import TORCH, host_view, library, to_library
 from conv2d.checks import check_numpy, check_shape_dtype, input_spec
 from conv2d.dtypes import compute_dtype, storage_dtype
 from conv2d.reference import conv, norm, optim
@@ -77,19 +77,51 @@ def check_params(spec: LayerSpec, params: Mapping[str, Any], running: Mapping[st
     layout says (torch CPU tensors are viewed, not copied). With `cache` (a dict that one
     spec's `Functions` keeps), the views of the same dicts holding the same array objects
     as an earlier call are that call's, checked once (a layer passes the same dicts every
-    step; checking and viewing them anew cost ~50 us a call, a quarter of a small layer's)."""
-    if cache is not None:
-        key = (id(params), id(running), need_running)
-        found = cache.get(key)
-        if found is not None and _same_arrays(found[0], params) and _same_arrays(found[1], running):
-            return found[2]
-    views, run = _check_params(spec, params, running, need_running)
-    if cache is not None:
-        if len(cache) >= 8:
-            cache.clear()
-        # The originals are kept (pinning their ids) with the arrays they held.
-        cache[key] = (_snapshot(params), _snapshot(running), (views, run))
-    return views, run
+    step; checking and viewing them anew cost ~50 us a call, a quarter of a small layer's).
+    New dicts of arrays over the same memory as an earlier call's (same addresses, shapes,
+    strides, dtypes: what torch.compile's graphs and the registered ops hand over, new
+    tensor objects every call) reuse that call's views too: a view depends on nothing else,
+    and the cached views keep that memory alive, so an address seen again is the same
+    memory."""
+    if cache is None:
+        return _check_params(spec, params, running, need_running)
+    key = (id(params), id(running), need_running)
+    found = cache.get(key)
+    if found is not None and _same_arrays(found[0], params) and _same_arrays(found[1], running):
+        return found[2]
+    by_memory = (need_running, _addresses(params), _addresses(running))
+    checked = cache.get(by_memory) if by_memory[1] is not _UNCACHED and by_memory[2] is not _UNCACHED else None
+    if checked is None:
+        checked = _check_params(spec, params, running, need_running)
+    if len(cache) >= 16:
+        cache.clear()
+    # The originals are kept (pinning their ids) with the arrays they held.
+    cache[key] = (_snapshot(params), _snapshot(running), checked)
+    if by_memory[1] is not _UNCACHED and by_memory[2] is not _UNCACHED:
+        cache[by_memory] = checked
+    return checked
+
+
+_UNCACHED = object()  # an argument whose arrays have no address key (checked every call)
+
+
+def _addresses(arrays: Mapping[str, Any] | None) -> Any:
+    """(key, library, address, shape, strides, dtype) of each array of `arrays`, which
+    say all that a view of it depends on; None for None; `_UNCACHED` for anything else
+    than a dict of NumPy arrays and torch CPU tensors (left to the checks to refuse)."""
+    if arrays is None:
+        return None
+    if not isinstance(arrays, Mapping):
+        return _UNCACHED
+    out = []
+    for k, a in arrays.items():
+        if isinstance(a, np.ndarray):
+            out.append((k, "numpy", a.__array_interface__["data"][0], a.shape, a.strides, a.dtype))
+        elif library(a) == TORCH and getattr(a, "device", None) is not None and a.device.type == "cpu":
+            out.append((k, "torch", a.data_ptr(), tuple(a.shape), a.stride(), a.dtype))
+        else:
+            return _UNCACHED
+    return tuple(out)
 
 
 def _snapshot(arrays: Mapping[str, Any] | None) -> tuple | None:
@@ -135,7 +167,9 @@ def _check_params(spec: LayerSpec, params: Mapping[str, Any], running: Mapping[s
         for k in names:
             a, _ = host_view(f"{group}[{k!r}]", arrays[k])
             check_shape_dtype(f"{group}[{k!r}]", a, *layout[k])
-            views[k] = a
+            # A view of a NumPy array, not the caller's object: `a.shape = ...` on it later
+            # must not reshape a view that check_params keeps.
+            views[k] = a.view() if a is arrays[k] else a
     run = {k: views.pop(k) for k in RUNNING if k in views} if running is not None else None
     return views, run
 
