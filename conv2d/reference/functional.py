@@ -90,14 +90,16 @@ def check_params(spec: LayerSpec, params: Mapping[str, Any], running: Mapping[st
     if found is not None and _same_arrays(found[0], params) and _same_arrays(found[1], running):
         return found[2]
     by_memory = (need_running, _addresses(params), _addresses(running))
-    checked = cache.get(by_memory) if by_memory[1] is not _UNCACHED and by_memory[2] is not _UNCACHED else None
-    if checked is None:
-        checked = _check_params(spec, params, running, need_running)
+    cacheable = by_memory[1] is not _UNCACHED and by_memory[2] is not _UNCACHED
+    checked = cache.get(by_memory) if cacheable else None
+    if checked is not None:
+        return checked  # new dicts, seen memory: the identity entry would never hit again
+    checked = _check_params(spec, params, running, need_running)
     if len(cache) >= 16:
         cache.clear()
     # The originals are kept (pinning their ids) with the arrays they held.
     cache[key] = (_snapshot(params), _snapshot(running), checked)
-    if by_memory[1] is not _UNCACHED and by_memory[2] is not _UNCACHED:
+    if cacheable:
         cache[by_memory] = checked
     return checked
 
@@ -117,8 +119,8 @@ def _addresses(arrays: Mapping[str, Any] | None) -> Any:
     for k, a in arrays.items():
         if isinstance(a, np.ndarray):
             out.append((k, "numpy", a.__array_interface__["data"][0], a.shape, a.strides, a.dtype))
-        elif library(a) == TORCH and getattr(a, "device", None) is not None and a.device.type == "cpu":
-            out.append((k, "torch", a.data_ptr(), tuple(a.shape), a.stride(), a.dtype))
+        elif library(a) == TORCH and getattr(a, "is_cpu", False):
+            out.append((k, "torch", a.data_ptr(), a.shape, a.stride(), a.dtype))
         else:
             return _UNCACHED
     return tuple(out)
