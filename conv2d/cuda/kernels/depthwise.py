@@ -326,13 +326,9 @@ def _strip_kernels(storage: str, geometry: tuple, shared: bool, block_weights: A
         wk = cuda.local.array(TAPS, dtype=np.float32)
         total = y.size // (OW * OC) * (-(-OW // R)) * OC
         for t in range(cuda.grid(1), total, cuda.gridsize(1)):
-            u = U(t)
-            oc = u % OC_
-            s = u // OC_
-            ow0 = s % OWS_ * R_
-            s = s // OWS_
-            oh = s % OH_
-            n = s // OH_
+            # Work items (N, OH, strips, OC), channels fastest: a warp reads neighbouring ones.
+            n, oh, strip, oc = nhwc_position(U(t), OH_, OWS_, OC_)
+            ow0 = strip * R_
             ih0 = oh * SH_  # + PH: the window's first row, shifted by the padding
             iw0 = ow0 * SW_
             c = oc // M_
@@ -395,13 +391,8 @@ def _strip_input_gradient(storage: str, geometry: tuple, block_weights: Any, tap
         wk = cuda.local.array(TAPS, dtype=np.float32)
         total = d_x.size // (W * C) * (-(-W // R)) * C
         for t in range(cuda.grid(1), total, cuda.gridsize(1)):
-            u = U(t)
-            c = u % C_
-            s = u // C_
-            iw0 = s % WS_ * R_
-            s = s // WS_
-            ih = s % H_
-            n = s // H_
+            n, ih, strip, c = nhwc_position(U(t), H_, WS_, C_)
+            iw0 = strip * R_
             for r in range(R):
                 acc[r] = ZERO
             for m in range(M):
