@@ -396,7 +396,8 @@ def _build_stored(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autot
                   store: plan_store.PlanStore) -> Graph:
     """The autotuned graph with a plan store (conv2d.cuda.plan_store): the plan stored for
     this GPU, cuDNN and graph, built without timing; else (or where this cuDNN cannot
-    build it) timed now, and the choice stored."""
+    build it) timed now, the choice stored and this process running the plan its record
+    builds (what later processes build)."""
     cudnn = _import_cudnn()
     key = store.key(device=autotune.device_name(), cudnn=int(cudnn.backend_version()), frontend=cudnn.__version__,
                     op=op, convolution=_conv_key(spec), tf32=bool(allow_tf32) and spec.dtype is DType.FLOAT32)
@@ -410,9 +411,19 @@ def _build_stored(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autot
             pass  # another cuDNN build's choice: timed again below, and replaced
     chosen: dict = {}
     built = _build(op, spec, handle, allow_tf32, autotune, chosen=chosen)
-    if chosen:
-        store.put(key, chosen["engine"], chosen["knobs"])
-    return built
+    if not chosen:
+        return built
+    # The frontend's (engine, knobs) of a timed plan does not always build that plan again
+    # (H100, frontend 1.28: a second process built eng11 for a stored eng11_k2=4_k3=0, and
+    # another engine altogether for one bfloat16 backward-data). What is stored is what
+    # every later process builds, so this one runs it too, or stores nothing.
+    config = (chosen["engine"], frozenset((getattr(cudnn.knob_type, name), v) for name, v in chosen["knobs"].items()))
+    try:
+        replayed = _build(op, spec, handle, allow_tf32, config=config)
+    except CudnnError:
+        return built
+    store.put(key, chosen["engine"], chosen["knobs"])
+    return built if replayed.plan == built.plan else replayed
 
 
 # Accuracy. Strict float32 takes heuristic mode B's first plan (faster than mode A's on
