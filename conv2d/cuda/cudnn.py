@@ -326,16 +326,35 @@ def _autotune(cudnn: Any, g: Any, tensors: dict, bench: Any, chosen: dict | None
         except Exception:  # a plan that did not build or run is not a candidate
             continue
         timed.append((ms, i))
+    if chosen is not None:  # for a store: only plans that their record builds again
+        records = {i: _record(g, i) for _, i in timed}
+        timed = [(ms, i) for ms, i in timed if records[i] is not None] or timed
     if not timed:
         return None
     fastest = min(ms for ms, _ in timed)
     best = min(i for ms, i in timed if ms <= fastest * 1.02)
-    if chosen is not None:
-        engine, knobs = g.get_engine_and_knobs_at_index(best)
-        chosen.update(engine=int(engine), knobs={k.name: int(v) for k, v in dict(knobs or {}).items()})
+    if chosen is not None and records.get(best) is not None:
+        chosen.update(records[best])
     g.select_plan(best)
     g.build_plans()
     return best
+
+
+def _record(g: Any, i: int) -> dict | None:
+    """{"engine": id, "knobs": {knob name: choice}} of plan `i`, which
+    `create_execution_plan` builds again; None where the frontend's record does not name
+    the plan whole: the knob types its Python enum lacks all read as NOT_SET (frontend
+    1.28, H100: eng33_k2=2_k6=0_k13=2_k14=0_k22=1 came back as four knobs, two of them
+    NOT_SET), so a replay would build another plan."""
+    try:
+        engine, knobs = g.get_engine_and_knobs_at_index(i)
+        name = str(g.get_plan_name_at_index(i))
+    except Exception:
+        return None
+    named = {getattr(k, "name", str(k)): int(v) for k, v in dict(knobs or {}).items()}
+    if "NOT_SET" in named or len(named) != name.count("_k"):
+        return None
+    return {"engine": int(engine), "knobs": named}
 
 
 _CACHE: dict = {}
