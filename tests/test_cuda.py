@@ -1240,6 +1240,35 @@ def test_acting_without_gradients_replays_the_evaluation_graph():
     assert graphed.graph_counts()["replayed"] >= 2, graphed.graph_counts()
 
 
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_acting_without_gradients_evaluates_into_one_new_tensor_as_the_eval_forward_does(norm, activation):
+    """Under no_grad in eval the module runs the backend's evaluate: y is the one tensor a
+    call allocates (the pre-activations and statistics stay in the plan's scratch), and
+    it is the grad-enabled eval call's y within the tolerance (ReLU without a norm runs
+    cuDNN's fused graph, another plan; otherwise the same kernels, bitwise)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from conv2d.torch import Conv2dNormActivation
+
+    torch.manual_seed(0)
+    ours = Conv2dNormActivation(5, 6, 3, padding=1, norm=norm, activation=activation, device="cuda",
+                                cuda_graphs=False).eval()
+    x = torch.randn(2, 5, 12, 10, device="cuda").contiguous(memory_format=torch.channels_last)
+    want = ours(x.requires_grad_(True)).detach()
+    x = x.detach()
+    with torch.no_grad():
+        ours(x)  # plans the shape's evaluate
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        got = ours(x)
+        after = torch.cuda.memory_stats()["allocation.all.allocated"]
+    assert after - before == 1
+    if norm == "none" and activation == "relu":
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got, want)
+
+
 def test_graphs_hold_the_plans_they_were_captured_with_when_the_backend_drops_them():
     """max_shapes=1: every call of the other input size drops the plan a graph was captured
     on; the graph keeps that plan's scratch and workspace, and every step keeps the bits."""

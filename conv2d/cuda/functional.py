@@ -228,16 +228,23 @@ class Functions:
                                              plan.slot(buffers))
             return self._outputs.result(y, lib, stream), Saved(self, plan, x_dev, buffers, from_batch, generation)
 
-    def evaluate(self, params: Mapping[str, Any], x: Any, running: Mapping[str, Any] | None = None) -> Any:
-        """forward(training=False)'s y, keeping nothing."""
+    def evaluate(self, params: Mapping[str, Any], x: Any, running: Mapping[str, Any] | None = None,
+                 y_out: Any = None) -> Any:
+        """forward(training=False)'s y, keeping nothing: the plan's own scratch holds the
+        pre-activations and statistics. `y_out`: a device array (N, OH, OW, OC),
+        C-contiguous, to write y into (and return) instead of a new one, as forward's: a
+        call that allocates nothing, for a caller that replays a captured graph of it
+        (conv2d.torch.graphs; `resources` names what else it uses)."""
         with self._lock:
             call, x_dev, lib = self._args.input("x", x)
             p = self._k.with_constants(self._args.params(params))
             from_batch = self.spec.batch_statistics(False)  # layer norm, batch norm without running ones
             r = self._args.running(running, need=not from_batch)
             plan = self._plans.get(call)
+            given = self._args.given("y_out", y_out, lib, call.output_shape)
             stream = self.streams.enter(lib, x)
-            y_dev, y = self._outputs.output(plan, "y", call.output_shape, lib, x)
+            y_dev, y = (given, y_out) if y_out is not None else self._outputs.output(plan, "y", call.output_shape,
+                                                                                       lib, x)
             if self.evaluate_kernel == "direct":
                 steps.direct_evaluate(self._k, plan, p, r, x_dev, y_dev)
             elif self.relu_fusion:
@@ -246,6 +253,14 @@ class Functions:
                 steps.forward_steps(self._k, plan, p, r, x_dev, y_dev, plan.evaluate_buffers(), from_batch,
                                     "evaluate")
             return self._outputs.result(y, lib, stream)
+
+    def resources(self, input_shape: tuple[int, int, int, int]) -> Any:
+        """What a call on an input of `input_shape` (N, H, W, C) uses besides the caller's
+        arrays, as `Saved.resources`: its shape's plan (scratch, cuDNN workspace, prepared
+        launches), or None where none is planned. For a caller that keeps a captured graph
+        of an `evaluate` call, which has no Saved."""
+        with self._lock:
+            return self._plans.find(self.spec.at(*input_shape[:3]))
 
     def saved(self, x: Any, pre: Any, mean: Any, inv_std: Any, batch_stats: bool) -> Saved:
         """A Saved made of the caller's arrays (a forward's `saved_out`, kept by the caller:

@@ -1,7 +1,8 @@
 """The module's eager path: one `torch.autograd.Function` straight over a backend's
 `Functions`, or, for a call that wants no gradient (under `torch.no_grad`, or nothing
-requiring one: acting, a target network), its forward alone (`forward_call`), the same
-launches without an autograd node.
+requiring one: acting, a target network), no autograd node: on the GPU in eval (or
+without batch norm) the backend's `evaluate` into one new tensor (`evaluate_call`), else
+its forward alone (`forward_call`), the same launches as the autograd node's.
 
 `conv2d.torch.ops` is what `torch.compile` sees: two opaque operators that take and
 return tensors only, with a permute node in the graph for x and for the weight and fresh
@@ -181,6 +182,29 @@ def forward_call(x: Tensor, call: Call) -> tuple[Tensor, Optional[Tensor], Optio
     # The CUDA functions keep y (a prepared launch's argument), and autograd sets its
     # grad_fn on the tensor it is given: hand out an alias that they do not hold.
     return y.detach(), pre, mean, inv_std
+
+
+def evaluate_call(x: Tensor, call: Call) -> Tensor:
+    """y of the backend's `evaluate` of x (a CUDA tensor) through `call`: for a call that
+    wants no gradient and updates no statistics (eval, or no batch norm), the forward
+    without its saved values. One output tensor, where forward_call allocates y, pre,
+    mean and inv_std: the pre-activations and statistics go to the shape plan's own
+    scratch, and nothing is kept. With the backend's default evaluate_kernel ("cudnn")
+    it runs the forward's kernels (its ReLU fused into the convolution where the layer
+    has no norm, as cuDNN's forward_relu graph); "direct" runs the direct kernel."""
+    fn, graphs = call.fn, call.graphs
+    x_nhwc = _nhwc(x, call.nchw)
+    if graphs is None:
+        with call_context(fn, x):
+            y = fn.evaluate(call.params, x_nhwc, call.running)
+    else:
+        y = torch.empty(fn.spec.at(*x_nhwc.shape[:3]).output_shape, dtype=x.dtype, device=x.device)
+
+        def run() -> Any:
+            fn.evaluate(call.params, x_nhwc, call.running, y_out=y)
+            return fn.resources(x_nhwc.shape)
+        graphs.run(("evaluate", x_nhwc.shape, x.data_ptr(), y.data_ptr(), call.ptrs), run, x)
+    return y.detach()
 
 
 def _graph_backward(call: Call, kept: tuple, d_y: Tensor, want_params: bool, want_input: bool) -> tuple:

@@ -432,7 +432,11 @@ class Conv2dNormActivation(nn.Module):
             if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                for t in (x, weight, bias, gamma, beta)):
                 y = eager.EagerConv2d.apply(x, weight, bias, gamma, beta, running_mean, running_var, call)
-            else:  # no gradient wanted (acting, targets): no autograd node, the same forward
+            elif x.is_cuda and not (training and self._spec.normalization is Normalization.BATCH_NORM):
+                # No gradient wanted and no statistics to update (acting, targets): the
+                # backend's evaluate, no autograd node and no saved values.
+                y = eager.evaluate_call(x, call)
+            else:  # no gradient wanted, batch norm training: the forward, without an autograd node
                 y = eager.forward_call(x, call)[0]
         else:
             # torch.compile and tensor subclasses: the registered ops. x and the weight go in
