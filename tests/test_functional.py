@@ -565,6 +565,8 @@ def test_outputs_written_into_the_callers_arrays_equal_new_ones_bitwise(norm):
 @pytest.mark.parametrize("case, error, match", [
     ("y_out of another shape", ValueError, r"^y_out: expected shape \(3, 5, 4, 3\)"),
     ("y_out on the host", TypeError, "^y_out: expected a device array"),
+    ("evaluate's y_out of another shape", ValueError, r"^y_out: expected shape \(3, 5, 4, 3\)"),
+    ("evaluate's y_out on the host", TypeError, "^y_out: expected a device array"),
     ("grads_out with accumulate", ValueError, "^grads_out: given with accumulate"),
     ("grads_out without want_params", ValueError, "^grads_out: given with accumulate or without want_params"),
     ("grads_out missing a key", ValueError, r"^grads_out: expected keys \['weights', 'bias', 'gamma', 'beta'\]"),
@@ -583,6 +585,10 @@ def test_output_arrays_that_do_not_fit_are_refused_before_any_work(case, error, 
             fn.forward(params, x, True, running, y_out=cuda.device_array((3, 5, 4, 2), dev))
         elif case == "y_out on the host":
             fn.forward(params, x, True, running, y_out=np.zeros((3, 5, 4, 3), dev))
+        elif case == "evaluate's y_out of another shape":
+            fn.evaluate(params, x, running, y_out=cuda.device_array((3, 5, 4, 2), dev))
+        elif case == "evaluate's y_out on the host":
+            fn.evaluate(params, x, running, y_out=np.zeros((3, 5, 4, 3), dev))
         elif case == "grads_out with accumulate":
             fn.backward(params, saved, dy, grads_out=grads, accumulate=grads)
         elif case == "grads_out without want_params":
