@@ -4,7 +4,7 @@ side by side in one process, timed in turns.
 
     python scripts/bench_networks.py [--device cuda|cpu] [--networks nature_dqn,impala_cnn,cifar_resnet]
         [--precisions default,strict,bfloat16] [--modes eager,graph,compile,reduce-overhead]
-        [--rows train,act,loop] [--rounds 5] [--iters 10] [--out DIR] [--isolate]
+        [--rows train,act,loop] [--rounds 5] [--iters 10] [--out DIR] [--isolate] [--torch-deterministic]
 
 Rows: the training step (forward, loss, backward, Adam step; the network's training batch)
 and acting (eval, no_grad, batch 1, then a synchronisation). Precisions: "default"
@@ -19,7 +19,11 @@ CUDA events (GPU ms) and the wall clock; CPU rows with the wall clock only (mode
 and compile). Row "loop": the Breakout demo's DQN loop end to end in environment steps
 per second (scripts/rl_loop.py: plain PyTorch eager, with the module, with PyTorch's
 training step in torch.cuda.graph, and this library's demo path), its variants timed in
-turns. `--out DIR` writes DIR/bench_networks_{cuda,cpu}.md with the provenance line.
+turns. `--torch-deterministic` (CUDA) times a third side in the same turns: PyTorch with
+`torch.backends.cudnn.deterministic = True`, set around that side's calls alone, which
+restricts its cuDNN plans to deterministic ones as this library's always are (PyTorch's
+default lets backward-data and backward-filter take non-deterministic plans); its columns
+are its time and ours / it. `--out DIR` writes DIR/bench_networks_{cuda,cpu}.md with the provenance line.
 
 A CUDA error (an illegal memory access) leaves the process's CUDA context unusable, so
 every row after it would fail too: after a row fails with one, each later row (and the
@@ -201,7 +205,11 @@ def compare(name: str, precision: str, mode: str, row: str, args) -> dict | None
     target = torch.randn(n, outputs, generator=g).to(device)
     timer = Timer(device)
     steps = {}
-    for side, model in zip(("torch", "ours"), models(name, device, dtype)):
+    sides = list(zip(("torch", "ours"), models(name, device, dtype)))
+    if args.torch_deterministic and device == "cuda":
+        sides.append(("torch_det", network(name).to(device=device, dtype=dtype, memory_format=torch.channels_last)))
+    for side, model in sides:
+        deterministic(side, device)
         try:
             steps[side] = (training_step(model, mode, x, target) if row == "train"
                            else acting_step(model, mode, x, timer))
@@ -210,16 +218,24 @@ def compare(name: str, precision: str, mode: str, row: str, args) -> dict | None
             timer.sync()  # a CUDA error of this side's work surfaces here, before the other side runs
         except Exception as e:
             raise SideFailed(side) from e
-    times = {"torch": [], "ours": []}
+    times = {side: [] for side, _ in sides}
     for _ in range(args.rounds):
-        for side in ("torch", "ours"):
+        for side in times:
+            deterministic(side, device)
             try:
                 # The timer synchronises after the side's runs, so a CUDA error of them
                 # surfaces here (the other side's work was synchronised before).
                 times[side].append(timer(steps[side], args.iters))
             except Exception as e:
                 raise SideFailed(side, "timed runs") from e
+    deterministic("torch", device)
     return {side: tuple(statistics.median(t[i] for t in ts) for i in (0, 1)) for side, ts in times.items()}
+
+
+def deterministic(side: str, device: str) -> None:
+    """PyTorch's cuDNN determinism for `side`'s calls: on for "torch_det" alone."""
+    if device == "cuda":
+        torch.backends.cudnn.deterministic = side == "torch_det"
 
 
 def loop_table(args) -> list[str]:
@@ -251,7 +267,7 @@ def run_alone(args, name: str, precision: str, mode: str, row: str) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--one", "--device", args.device, "--networks", name,
                "--precisions", precision, "--modes", mode, "--rows", row, "--rounds", str(args.rounds),
                "--iters", str(args.iters), "--loop-warmup", str(args.loop_warmup),
-               "--loop-steps", str(args.loop_steps)]
+               "--loop-steps", str(args.loop_steps)] + (["--torch-deterministic"] if args.torch_deterministic else [])
     if args.train_batch:
         command += ["--train-batch", str(args.train_batch)]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -291,6 +307,8 @@ def main() -> None:
     ap.add_argument("--train-batch", type=int, default=None, help="instead of each network's training batch")
     ap.add_argument("--out", default=None, help="a folder to write bench_networks_{device}.md into")
     ap.add_argument("--isolate", action="store_true", help="every row in a process of its own (see the docstring)")
+    ap.add_argument("--torch-deterministic", action="store_true", help="also PyTorch with cudnn.deterministic "
+                    "(CUDA; see the docstring)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child of run_alone
     args = ap.parse_args()
     cuda = args.device == "cuda"
@@ -310,9 +328,12 @@ def main() -> None:
             ap.error("--one: expected one network, precision, mode and row")
         one(args, precisions, modes, rows)
         return
+    det = cuda and args.torch_deterministic
     gpu_columns = "ours GPU ms | torch GPU ms | ratio | " if cuda else ""
-    head = (f"| network | row | precision | mode | {gpu_columns}ours wall ms | torch wall ms | ratio |\n"
-            f"| --- | --- | --- | --- | {'---: | ' * (6 if cuda else 3)}".rstrip())
+    det_columns = " torch deterministic GPU ms | ratio |" if det else ""
+    columns = (6 if cuda else 3) + (2 if det else 0)
+    head = (f"| network | row | precision | mode | {gpu_columns}ours wall ms | torch wall ms | ratio |{det_columns}\n"
+            f"| --- | --- | --- | --- | {'---: | ' * columns}".rstrip())
     lines = [head]
     print(head, flush=True)
     alone = args.isolate  # each row in a process of its own: asked for, or since a CUDA error
@@ -331,13 +352,16 @@ def main() -> None:
                             failed = failure(e)
                             alone = alone or is_cuda_error(e)
                     if failed is not None:
-                        line = f"| {name} | {row} | {precision} | {mode} | {failed} |{' |' * (5 if cuda else 2)}"
+                        line = f"| {name} | {row} | {precision} | {mode} | {failed} |{' |' * (columns - 1)}"
                     else:
                         if got is None:
                             continue
                         (og, ow), (tg, tw) = got["ours"], got["torch"]
                         gpu = f"{og:.3f} | {tg:.3f} | {og / tg:.2f} | " if cuda else ""
                         line = f"| {name} | {row} | {precision} | {mode} | {gpu}{ow:.3f} | {tw:.3f} | {ow / tw:.2f} |"
+                        if det:
+                            dg = got["torch_det"][0]
+                            line += f" {dg:.3f} | {og / dg:.2f} |"
                     lines.append(line)
                     print(line, flush=True)
     if "loop" in rows:

@@ -89,7 +89,7 @@ def test_a_network_comparison_that_fails_says_whose_side_failed(monkeypatch):
             raise RuntimeError("an illegal memory access was encountered")
     real = bench_networks.models
     monkeypatch.setattr(bench_networks, "models", lambda *a: (Broken(), real(*a)[1]))
-    args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=1, iters=1)
+    args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=1, iters=1, torch_deterministic=False)
     with pytest.raises(bench_networks.SideFailed) as failed:
         bench_networks.compare("digits_cnn", "strict", "eager", "act", args)
     assert (failed.value.side, failed.value.phase) == ("torch", "warm-up")
@@ -115,7 +115,7 @@ def test_a_network_comparison_that_fails_in_its_timed_runs_says_whose_runs_faile
         return real_forward(x)
     ours.forward = failing_after_warm_up
     monkeypatch.setattr(bench_networks, "models", lambda *a: (theirs, ours))
-    args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=1, iters=1)
+    args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=1, iters=1, torch_deterministic=False)
     with pytest.raises(bench_networks.SideFailed) as failed:
         bench_networks.compare("digits_cnn", "strict", "eager", "act", args)
     assert (failed.value.side, failed.value.phase) == ("ours", "timed runs")
