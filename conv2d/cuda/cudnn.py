@@ -424,8 +424,7 @@ def _build_stored(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autot
     if found is not None:
         engine, knobs = found
         try:
-            config = (engine, frozenset((getattr(cudnn.knob_type, name), v) for name, v in knobs.items()))
-            return _build(op, spec, handle, allow_tf32, config=config)
+            return _build(op, spec, handle, allow_tf32, config=_config(cudnn, engine, knobs))
         except (CudnnError, AttributeError):
             pass  # another cuDNN build's choice: timed again below, and replaced
     chosen: dict = {}
@@ -436,13 +435,19 @@ def _build_stored(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, autot
     # (H100, frontend 1.28: a second process built eng11 for a stored eng11_k2=4_k3=0, and
     # another engine altogether for one bfloat16 backward-data). What is stored is what
     # every later process builds, so this one runs it too, or stores nothing.
-    config = (chosen["engine"], frozenset((getattr(cudnn.knob_type, name), v) for name, v in chosen["knobs"].items()))
     try:
-        replayed = _build(op, spec, handle, allow_tf32, config=config)
+        replayed = _build(op, spec, handle, allow_tf32, config=_config(cudnn, chosen["engine"], chosen["knobs"]))
     except CudnnError:
         return built
     store.put(key, chosen["engine"], chosen["knobs"])
     return built if replayed.plan == built.plan else replayed
+
+
+def _config(cudnn: Any, engine: int, knobs: dict[str, int]) -> tuple:
+    """`_build`'s config (engine, frozenset of (knob type, value)) of a stored choice:
+    the knob types by their names in the frontend's enum (AttributeError for a name this
+    frontend lacks)."""
+    return engine, frozenset((getattr(cudnn.knob_type, name), v) for name, v in knobs.items())
 
 
 # Accuracy. Strict float32 takes heuristic mode B's first plan (faster than mode A's on
