@@ -38,10 +38,10 @@ def first_order_only(backward: Callable[..., tuple]) -> Callable[..., tuple]:
     second derivative through the saved x and weights came back silently zero)."""
     @functools.wraps(backward)
     def wrapper(ctx: Any, *grads: Tensor) -> tuple:
+        if not torch.is_grad_enabled():  # autograd's backward without create_graph: no graph to guard
+            return backward(ctx, *grads)
         with torch.no_grad():
             outputs = backward(ctx, *grads)
-        if not torch.is_grad_enabled():
-            return outputs
         sources = [t for t in (*ctx.saved_tensors, *grads) if isinstance(t, Tensor) and t.requires_grad]
         if not sources:
             return outputs
