@@ -13,7 +13,10 @@ cProfile over ours: each function's own time (tottime) per call, in microseconds
 largest first, named by file and function (the profiler's overhead inflates every row
 alike; compare rows, not totals). Last, the module alone: its backend's calls replaced by
 their recorded results, which leaves the module's own Python, autograd's and torch's
-(PyTorch's row: its real layers).
+(PyTorch's row: its real layers), beside the floor of any Python autograd node: an empty
+`torch.autograd.Function` called as the module's node is (the same tensors in, the same
+saved, one new output; its backward returns new gradients of x and the parameters and
+does nothing else; acting: the output alone, under no_grad).
 """
 
 from __future__ import annotations
@@ -97,6 +100,45 @@ def stub_backend(model: nn.Module, x: torch.Tensor) -> None:
         calls(model, x, row)()
 
 
+class EmptyNode(torch.autograd.Function):
+    """The least a Python autograd node over the module's tensors costs: the module's
+    inputs in, the same five saved, one new output; its backward only allocates the
+    gradients (as any implementation must)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gamma, beta, running_mean, running_var, shape):
+        ctx.save_for_backward(x, weight, gamma, beta, running_mean)
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+    @staticmethod
+    def backward(ctx, d_y):
+        x, weight, gamma, beta, _ = ctx.saved_tensors
+        new = [None if t is None else torch.empty_like(t) for t in (x, weight, gamma, beta)]
+        return new[0], new[1], None, new[2], new[3], None, None, None
+
+
+def empty_node(model: nn.Module, x: torch.Tensor, row: str):
+    """One call of `row` (as `calls`) through `EmptyNode` over the module's tensors."""
+    from conv2d.torch import Conv2dNormActivation
+
+    (layer,) = [m for m in model.modules() if isinstance(m, Conv2dNormActivation)]
+    norm = layer.norm
+    tensors = (layer.conv.weight, layer.conv.bias, *((norm.weight, norm.bias, norm.running_mean, norm.running_var)
+                                                     if norm is not None else (None,) * 4))
+    with torch.no_grad():
+        shape = model(x).shape
+    if row == "act":
+        def act() -> None:
+            with torch.no_grad():
+                torch.empty(shape, dtype=x.dtype, device=x.device)
+        return act
+    xg = x.detach().requires_grad_(True)
+
+    def train() -> None:
+        EmptyNode.apply(xg, *tensors, shape).sum().backward()
+    return train
+
+
 def warm_up(run, n: int) -> None:
     """Calls before the `n` measured ones: plans, CUDA graphs of the module's calls, and
     the first calls of a mode, which check and view the parameters."""
@@ -160,12 +202,14 @@ def main() -> None:
 
     stub_backend(ours, x)
     print("\nThe module's own host time: its backend's forward, saved and backward replaced by their "
-          "results (eager launches, no CUDA graphs), beside PyTorch's real layers:\n")
-    print("| row | module alone us | PyTorch us |\n| --- | ---: | ---: |")
+          "results (eager launches, no CUDA graphs), beside an empty autograd node over the same tensors "
+          "(EmptyNode: the floor of any Python node) and PyTorch's real layers:\n")
+    print("| row | module alone us | empty node us | PyTorch us |\n| --- | ---: | ---: | ---: |")
     for row in ("act", "train"):
         t_ours = host_us(calls(ours, x, row), args.calls, sync)
+        t_empty = host_us(empty_node(ours, x, row), args.calls, sync)
         t_theirs = host_us(calls(theirs, x, row), args.calls, sync)
-        print(f"| {row} | {t_ours:.1f} | {t_theirs:.1f} |", flush=True)
+        print(f"| {row} | {t_ours:.1f} | {t_empty:.1f} | {t_theirs:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def test_the_module_host_cost_script_times_both_rows_and_profiles_ours_on_the_cp
     assert "| act |" in out and "| train |" in out
     assert "Ours, act: own time per call by function" in out and "Ours, train: own time per call by function" in out
     assert "torch/module.py:forward" in out  # the module's own forward is among the profiled functions
-    assert "| row | module alone us | PyTorch us |" in out  # the backend's calls stubbed out
+    assert "| row | module alone us | empty node us | PyTorch us |" in out  # stubbed backend, empty node
 
 
 def test_a_network_comparison_that_fails_says_whose_side_failed(monkeypatch):
