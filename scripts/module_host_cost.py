@@ -75,7 +75,9 @@ def calls(model: nn.Module, x: torch.Tensor, row: str):
 def stub_backend(model: nn.Module, x: torch.Tensor) -> None:
     """Replace the backend functions of `model`'s module (after one real training call and
     one real acting call, eager) by functions that return those calls' results, so that
-    a call costs the module's own Python, autograd's and torch's, not the backend's."""
+    a call costs the module's own Python, autograd's and torch's, not the backend's:
+    forward, saved and backward (training; acting on the CPU) and evaluate (acting on
+    CUDA: `eager.evaluate_call`)."""
     from conv2d.torch import Conv2dNormActivation
 
     (layer,) = [m for m in model.modules() if isinstance(m, Conv2dNormActivation)]
@@ -86,7 +88,7 @@ def stub_backend(model: nn.Module, x: torch.Tensor) -> None:
         for fn, _ in layer._functions.values():
             if not hasattr(fn, "_stubbed"):
                 fn._stubbed = True
-                forward, saved, backward = fn.forward, fn.saved, fn.backward
+                forward, saved, backward, evaluate = fn.forward, fn.saved, fn.backward, fn.evaluate
 
                 def recorded(real, name):
                     def call(*a, **k):
@@ -94,8 +96,9 @@ def stub_backend(model: nn.Module, x: torch.Tensor) -> None:
                             results[name] = real(*a, **k)
                         return results[name]
                     return call
-                fn.forward, fn.saved, fn.backward = (recorded(forward, "forward"), recorded(saved, "saved"),
-                                                     recorded(backward, "backward"))
+                fn.forward, fn.saved, fn.backward, fn.evaluate = (
+                    recorded(forward, "forward"), recorded(saved, "saved"), recorded(backward, "backward"),
+                    recorded(evaluate, "evaluate"))
     for row in ("train", "act"):  # the recording calls
         calls(model, x, row)()
 
