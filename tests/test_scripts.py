@@ -160,7 +160,7 @@ def test_a_row_run_alone_reports_what_its_process_measured_or_how_it_ended():
     import bench_networks
 
     args = bench_networks.argparse.Namespace(device="cpu", rounds=1, iters=1, loop_warmup=10, loop_steps=5,
-                                             train_batch=2)
+                                             train_batch=2, torch_deterministic=False)
     said = bench_networks.run_alone(args, "digits_cnn", "strict", "eager", "act")
     assert set(said) == {"times"} and set(said["times"]) == {"ours", "torch"}
     said = bench_networks.run_alone(args, "no_such_network", "strict", "eager", "act")
