@@ -206,7 +206,7 @@ def compare(name: str, precision: str, mode: str, row: str, args) -> dict | None
     timer = Timer(device)
     steps = {}
     sides = list(zip(("torch", "ours"), models(name, device, dtype)))
-    if args.torch_deterministic and device == "cuda":
+    if args.torch_deterministic:  # CUDA only (main refuses it on the CPU)
         sides.append(("torch_det", network(name).to(device=device, dtype=dtype, memory_format=torch.channels_last)))
     for side, model in sides:
         deterministic(side, device)
@@ -319,6 +319,9 @@ def main() -> None:
         bad = [v for v in given if v not in known]
         if bad:
             ap.error(f"unknown {what} {bad}; expected from {list(known)}")
+    if args.torch_deterministic and not cuda:
+        ap.error("--torch-deterministic: PyTorch's cuDNN determinism is a CUDA setting; expected --device cuda, "
+                 f"got --device {args.device}")
     rows = args.rows.split(",")
     bad = [r for r in rows if r not in ("train", "act", "loop")]
     if bad:
@@ -328,7 +331,7 @@ def main() -> None:
             ap.error("--one: expected one network, precision, mode and row")
         one(args, precisions, modes, rows)
         return
-    det = cuda and args.torch_deterministic
+    det = args.torch_deterministic
     gpu_columns = "ours GPU ms | torch GPU ms | ratio | " if cuda else ""
     det_columns = " torch deterministic GPU ms | ratio |" if det else ""
     columns = (6 if cuda else 3) + (2 if det else 0)

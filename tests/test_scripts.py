@@ -77,6 +77,17 @@ def test_the_module_host_cost_script_times_both_rows_and_profiles_ours_on_the_cp
     assert "| row | module alone us | empty node us | PyTorch us |" in out  # stubbed backend, empty node
 
 
+def test_the_networks_benchmark_refuses_pytorch_determinism_off_cuda():
+    """--torch-deterministic is PyTorch's cuDNN setting: on the CPU the script says so and
+    times nothing, instead of printing a table without the side it was asked for."""
+    pytest.importorskip("torch")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_networks.py"), "--device", "cpu",
+                           "--torch-deterministic"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 2 and "|" not in done.stdout
+    assert "--torch-deterministic" in done.stderr and "expected --device cuda, got --device cpu" in done.stderr
+
+
 def test_a_network_comparison_that_fails_says_whose_side_failed(monkeypatch):
     """A CUDA error is reported at the next synchronisation, whoever caused it: each side's
     warm-up ends with one, so that a failure is PyTorch's or ours, not the row's."""
