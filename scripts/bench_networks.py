@@ -23,7 +23,8 @@ turns. `--torch-deterministic` (CUDA) times a third side in the same turns: PyTo
 `torch.backends.cudnn.deterministic = True`, set around that side's calls alone, which
 restricts its cuDNN plans to deterministic ones as this library's always are (PyTorch's
 default lets backward-data and backward-filter take non-deterministic plans); its columns
-are its time and ours / it. `--out DIR` writes DIR/bench_networks_{cuda,cpu}.md with the provenance line.
+are its time and ours / it. `--out DIR` writes DIR/bench_networks_{cuda,cpu}.md with the
+provenance line.
 
 A CUDA error (an illegal memory access) leaves the process's CUDA context unusable, so
 every row after it would fail too: after a row fails with one, each later row (and the

@@ -72,15 +72,21 @@ def calls(model: nn.Module, x: torch.Tensor, row: str):
     return train
 
 
+def swapped_layer(model: nn.Module) -> nn.Module:
+    """The one `Conv2dNormActivation` in `model` (what `layers` swapped in)."""
+    from conv2d.torch import Conv2dNormActivation
+
+    (layer,) = [m for m in model.modules() if isinstance(m, Conv2dNormActivation)]
+    return layer
+
+
 def stub_backend(model: nn.Module, x: torch.Tensor) -> None:
     """Replace the backend functions of `model`'s module (after one real training call and
     one real acting call, eager) by functions that return those calls' results, so that
     a call costs the module's own Python, autograd's and torch's, not the backend's:
     forward, saved and backward (training; acting on the CPU) and evaluate (acting on
     CUDA: `eager.evaluate_call`)."""
-    from conv2d.torch import Conv2dNormActivation
-
-    (layer,) = [m for m in model.modules() if isinstance(m, Conv2dNormActivation)]
+    layer = swapped_layer(model)
     layer.cuda_graphs = False
     results: dict = {}
     for row in ("train", "act"):
@@ -122,9 +128,7 @@ class EmptyNode(torch.autograd.Function):
 
 def empty_node(model: nn.Module, x: torch.Tensor, row: str):
     """One call of `row` (as `calls`) through `EmptyNode` over the module's tensors."""
-    from conv2d.torch import Conv2dNormActivation
-
-    (layer,) = [m for m in model.modules() if isinstance(m, Conv2dNormActivation)]
+    layer = swapped_layer(model)
     norm = layer.norm
     tensors = (layer.conv.weight, layer.conv.bias, *((norm.weight, norm.bias, norm.running_mean, norm.running_var)
                                                      if norm is not None else (None,) * 4))
@@ -204,8 +208,8 @@ def main() -> None:
             print(f"| {name} | {us:.2f} | {per:.1f} |")
 
     stub_backend(ours, x)
-    print("\nThe module's own host time: its backend's forward, saved and backward replaced by their "
-          "results (eager launches, no CUDA graphs), beside an empty autograd node over the same tensors "
+    print("\nThe module's own host time: its backend's forward, saved, backward and evaluate replaced by "
+          "their results (eager launches, no CUDA graphs), beside an empty autograd node over the same tensors "
           "(EmptyNode: the floor of any Python node) and PyTorch's real layers:\n")
     print("| row | module alone us | empty node us | PyTorch us |\n| --- | ---: | ---: | ---: |")
     for row in ("act", "train"):
