@@ -1,10 +1,17 @@
-"""What a backend provides to `Conv2d`, and the registry `Conv2d(spec, backend=NAME)` reads.
+"""What a backend provides, what it declares it can do, and the registry that
+`Conv2d(spec, backend=NAME)` reads.
 
-A backend is a `Functions` object for one spec: the layer's two functions over explicit
-arrays (`forward`, `backward`, and `evaluate`, which keeps nothing), and the few memory
-operations a stateful layer needs on the backend's own arrays. The parameters, gradients
-and running statistics belong to the caller (a `Conv2d`, a torch module, an optimizer);
-the functions read them in place and write only what the docstrings say.
+A backend is two things:
+- a `Backend` declaration (one subclass in the backend's own package, importable without
+  the backend's heavy dependencies): its name, options, dtypes and capabilities as class
+  attributes with the defaults below, and the few hooks a capability needs (whether it can
+  run here, a new stream). Code above the backends (`Conv2d`, `Sequential`, the command
+  line, the demos, `conv2d check`) reads these, never a backend's name;
+- a `Functions` object for one spec (`Backend.make`): the layer's functions over explicit
+  arrays, the memory operations a stateful layer needs on the backend's own arrays, and
+  the optimizers' steps. The parameters, gradients and running statistics belong to the
+  caller (a `Conv2d`, a torch module, an optimizer); the functions read them in place and
+  write only what the docstrings say.
 """
 
 from __future__ import annotations
@@ -17,13 +24,14 @@ import numpy as np
 
 from conv2d.spec import LayerSpec
 
+ALL_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
+
+# The contract, split by job ---------------------------------------------------------------
 @runtime_checkable
-class Functions(Protocol):
-    """Every function a backend provides, with these names and parameters (tests check
-    both backends against it, `tests/test_backend_contract.py`): what a third backend
-    implements. Arrays are the backend's own (NumPy on the reference; device arrays, or
-    any __cuda_array_interface__/DLPack object, on CUDA)."""
+class LayerFunctions(Protocol):
+    """The layer's math over explicit arrays (the backend's own: NumPy on the reference;
+    device arrays, or any __cuda_array_interface__/DLPack object, on CUDA)."""
 
     name: str
     spec: LayerSpec
@@ -54,15 +62,10 @@ class Functions(Protocol):
         """The saved pre-activations (N, OH, OW, OC), read-only on the host."""
         ...
 
-    def adam_step(self, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
-                  step: Any, h: dict, prepared: dict) -> None:
-        """One Adam step of a layer's parameters (conv2d.optim), in place; `step` the count."""
-        ...
 
-    def sgd_step(self, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
-                 step: Any, h: dict, prepared: dict) -> None:
-        """One SGD step of a layer's parameters (conv2d.optim), in place."""
-        ...
+@runtime_checkable
+class Memory(Protocol):
+    """The backend's own arrays as a stateful layer keeps them."""
 
     def from_host(self, values: Mapping[str, np.ndarray]) -> dict[str, Any]:
         """The backend's own copies of host arrays."""
@@ -82,10 +85,32 @@ class Functions(Protocol):
 
 
 @runtime_checkable
+class OptimizerSteps(Protocol):
+    """The optimizers' in-place steps over a layer's arrays (conv2d.optim)."""
+
+    def adam_step(self, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
+                  step: Any, h: dict, prepared: dict) -> None:
+        """One Adam step of a layer's parameters (conv2d.optim), in place; `step` the count."""
+        ...
+
+    def sgd_step(self, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
+                 step: Any, h: dict, prepared: dict) -> None:
+        """One SGD step of a layer's parameters (conv2d.optim), in place."""
+        ...
+
+
+@runtime_checkable
+class Functions(LayerFunctions, Memory, OptimizerSteps, Protocol):
+    """Every function a backend provides, with these names and parameters (tests check
+    each backend against it, `tests/test_backend_contract.py`): what a new backend
+    implements."""
+
+
+@runtime_checkable
 class Preallocating(Functions, Protocol):
-    """The CUDA backend's extension that `conv2d.torch` asks for: outputs and saved values
-    written into arrays the caller allocated (torch's allocator, a CUDA graph's pool), so
-    that a call allocates nothing of its own."""
+    """The extension of a backend that declares `fills_outputs` (conv2d.torch asks for
+    it): outputs and saved values written into arrays the caller allocated (torch's
+    allocator, a CUDA graph's pool), so that a call allocates nothing of its own."""
 
     def forward(self, params: Mapping[str, Any], x: Any, training: bool, running: Mapping[str, Any] | None = None,
                 saved_out: Mapping[str, Any] | None = None, y_out: Any = None) -> tuple[Any, Any]:
@@ -119,31 +144,103 @@ class Preallocating(Functions, Protocol):
         ...
 
 
-# name -> "module:attribute", imported on first use so that the CPU install never imports
-# the GPU stack.
-_REGISTRY: dict[str, str | Callable[..., Functions]] = {
-    "reference": "conv2d.reference.functional:Functions",
-    "cuda": "conv2d.cuda.functional:Functions",
+@runtime_checkable
+class Streamed(Protocol):
+    """The functions of a backend that declares `has_stream`: its calls run on a stream."""
+
+    @property
+    def stream(self) -> Any:
+        """The layer's own stream (the one it was given, or a new one)."""
+        ...
+
+    @property
+    def current_stream(self) -> Any:
+        """The stream of the last call: what the host waits for before reading."""
+        ...
+
+
+@runtime_checkable
+class Capturing(Protocol):
+    """The functions of a backend that declares `captures_graphs` (Conv2d.freeze, capture
+    and capture_evaluate, Sequential's captures)."""
+
+    def freeze(self) -> None:
+        """Forbid allocation from now on (for graph capture)."""
+        ...
+
+    def capture(self, run: Callable[[], dict], inputs: dict, snapshot: Callable, followers: tuple = ()) -> Any:
+        """A graph of `run` over the device arrays `inputs` (see conv2d.layer.Conv2d.capture)."""
+        ...
+
+    def capture_evaluate(self, run: Callable[[], dict], inputs: dict, snapshot: Callable,
+                         followers: tuple = ()) -> Any:
+        """As `capture`, of an evaluate."""
+        ...
+
+
+# What a backend declares ----------------------------------------------------------------
+class Backend:
+    """A backend's declaration: the attributes below, with these defaults, overridden by
+    each backend's own subclass (`conv2d/<package>/declared.py`). Reading one never
+    imports the backend's functions or their dependencies."""
+
+    name: str = ""
+    functions: str | Callable[..., Functions] = ""  # "module:attribute" of the factory, or the factory
+    options: tuple[str, ...] = ()  # the keyword options `functions(spec, **options)` takes
+    dtypes: tuple[str, ...] = ALL_DTYPES  # the storage dtypes it takes
+    copies_host_input: bool = False  # forward copies a host x into memory of its own, differentiated from there
+    has_stream: bool = False  # calls run on a stream (`Streamed`); a stack's layers share one (`new_stream`)
+    captures_graphs: bool = False  # freeze and graph capture (`Capturing`)
+    fills_outputs: bool = False  # writes into the caller's arrays (`Preallocating`)
+    checks_repeats: bool = False  # `conv2d check` runs each case twice and compares the bits
+
+    def unavailable(self) -> str | None:
+        """Why this backend cannot run here (a missing GPU or library), or None."""
+        return None
+
+    def new_stream(self) -> Any:
+        """A new stream, for the layers of a stack to share (backends with `has_stream`)."""
+        raise TypeError(f"the {self.name!r} backend runs on no stream")
+
+    def same_stream(self, a: Any, b: Any) -> bool:
+        """Whether two of this backend's streams are one."""
+        return a is b
+
+    def make(self, spec: LayerSpec, **options: Any) -> Functions:
+        """The functions for `spec`, with `options` (checked by name first)."""
+        check_options(self.name, options)
+        factory = self.functions
+        if isinstance(factory, str):
+            module, attr = factory.split(":")
+            factory = getattr(importlib.import_module(module), attr)
+        return factory(spec, **options)
+
+
+class _Registered(Backend):
+    """A backend added by `register_backend` with its factory and options, the other
+    capabilities left at their defaults."""
+
+    def __init__(self, name: str, factory: str | Callable[..., Functions], options: tuple[str, ...]) -> None:
+        self.name, self.functions, self.options = name, factory, tuple(options)
+
+
+# name -> the Backend, or "module:attribute" of it (imported on first use, so that the CPU
+# install never imports the GPU stack).
+_REGISTRY: dict[str, str | Backend] = {
+    "reference": "conv2d.reference.declared:ReferenceBackend",
+    "cuda": "conv2d.cuda.declared:CudaBackend",
 }
 
 
-# The keyword options each backend's `Functions` takes besides the spec (tests check them
-# against the signatures): what `Conv2dNormActivation(backend_options=...)` may pass, known
-# without importing the backend (the CUDA one imports numba).
-OPTIONS: dict[str, tuple[str, ...]] = {
-    "reference": (),
-    "cuda": ("stream", "allow_tf32", "autotune", "convolutions", "max_shapes", "fast_paths", "kernels",
-             "launch_config", "evaluate_kernel", "depthwise_kernel"),
-}
-
-
-def not_taken(name: str, spec: LayerSpec) -> str | None:
-    """Why backend `name` does not take `spec` yet (a feature it lacks), or None: known
-    without importing the backend, so that checks and tests can say so instead of
-    failing. The backend raises NotImplementedError with the same words."""
-    # Both backends take every spec today (batch_invariant was the last gap, closed by
-    # cudnn.invariant_choice); an option that lands on one backend first is named here.
-    return None
+def get(name: str) -> Backend:
+    """The declaration of backend `name` (ValueError naming the known ones otherwise)."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"backend: expected one of {backend_names()}, got {name!r}")
+    found = _REGISTRY[name]
+    if isinstance(found, str):
+        module, attr = found.split(":")
+        found = _REGISTRY[name] = getattr(importlib.import_module(module), attr)()
+    return found
 
 
 def check_options(name: str, options: Any) -> dict[str, Any]:
@@ -153,19 +250,21 @@ def check_options(name: str, options: Any) -> dict[str, Any]:
     if not isinstance(options, dict):
         raise TypeError(f"backend_options: expected a dict of the {name} backend's options, got "
                         f"{type(options).__name__}")
-    unknown = sorted(set(options) - set(OPTIONS[name]))
+    known = get(name).options
+    unknown = sorted(set(options) - set(known))
     if unknown:
-        raise TypeError(f"backend_options: the {name} backend takes {list(OPTIONS[name])}; unknown {unknown}")
+        raise TypeError(f"backend_options: the {name} backend takes {list(known)}; unknown {unknown}")
     return dict(options)
 
 
-def register_backend(name: str, factory: str | Callable[..., Functions], options: tuple[str, ...] = ()) -> None:
-    """Add a backend: `factory(spec, **options)` returns an object with `Functions`' methods;
-    `options` names the keyword options it takes."""
+def register_backend(name: str, factory: str | Callable[..., Functions] | Backend,
+                     options: tuple[str, ...] = ()) -> None:
+    """Add a backend: a `Backend` declaration, or `factory(spec, **options)` returning an
+    object with `Functions`' methods (`options` names the keyword options it takes; every
+    capability at `Backend`'s default)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_backend: name must be a non-empty str, got {name!r}")
-    _REGISTRY[name] = factory
-    OPTIONS[name] = tuple(options)
+    _REGISTRY[name] = factory if isinstance(factory, Backend) else _Registered(name, factory, options)
 
 
 def backend_names() -> list[str]:
@@ -173,10 +272,5 @@ def backend_names() -> list[str]:
 
 
 def make_functions(name: str, spec: LayerSpec, **options: Any) -> Functions:
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"backend: expected one of {backend_names()}, got {name!r}")
-    factory = _REGISTRY[name]
-    if isinstance(factory, str):
-        module, attr = factory.split(":")
-        factory = getattr(importlib.import_module(module), attr)
-    return factory(spec, **options)
+    """Backend `name`'s functions for `spec`."""
+    return get(name).make(spec, **options)

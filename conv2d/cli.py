@@ -8,6 +8,7 @@ import sys
 from typing import Sequence
 
 from conv2d import __version__
+from conv2d.backend import backend_names
 
 TASKS = {"digits": "an all-convolutional classifier of scikit-learn's digits (the main job)",
          "breakout": "DQN on MinAtar Breakout: act at batch 1, train at batch 32, same layers",
@@ -25,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d = sub.add_parser("demo", help="train a network with conv2d layers",
                        description="; ".join(f"{k}: {v}" for k, v in TASKS.items()))
     d.add_argument("--task", default="digits", choices=list(TASKS))
-    d.add_argument("--backend", default="reference", choices=["reference", "cuda"])
+    d.add_argument("--backend", default="reference", choices=backend_names())
     d.add_argument("--dtype", default="float32", choices=["float64", "float32", "float16", "bfloat16"])
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--seeds", type=int, default=3,
@@ -44,8 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--plot", metavar="PNG", help="write the training curves to this PNG file")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     c = sub.add_parser("check", help="run the shipped golden outputs on every backend here (exit 1 on failure)")
-    c.add_argument("--backends", default=None, help="comma list of reference, cuda (default: both, cuda "
-                   "skipped with the reason where it cannot run; a backend named here that cannot run is an error)")
+    c.add_argument("--backends", default=None, help=f"comma list of {', '.join(backend_names())} (default: "
+                   "every one, those that cannot run here skipped with the reason; a backend named here that "
+                   "cannot run is an error)")
     c.add_argument("--specs", default="", help="comma list of golden spec names to run (default: all of them; "
                    "an unknown name is an error that lists the known ones)")
     args = parser.parse_args(argv)
@@ -53,14 +55,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from conv2d import golden_check
         return golden_check.run(args, parser)
     _check_demo_arguments(parser, args)
-    if args.backend == "cuda":
-        from conv2d.cuda.runtime import CudaUnavailableError, require_gpu
+    from conv2d import backend
 
-        try:
-            require_gpu()
-        except CudaUnavailableError as e:
-            print(f"conv2d demo: --backend cuda: CudaUnavailableError: {e}", file=sys.stderr)
-            return 1
+    reason = backend.get(args.backend).unavailable()
+    if reason is not None:
+        print(f"conv2d demo: --backend {args.backend}: {reason}", file=sys.stderr)
+        return 1
     if args.task == "digits":
         from conv2d.demos import digits
         return digits.run(args)
@@ -74,6 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _check_demo_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every demo option checked before any training (argparse usage errors, exit 2): a run
     must not train for minutes and then fail on its output path."""
+    from conv2d import backend
+
+    dtypes = backend.get(args.backend).dtypes
+    if args.dtype not in dtypes:
+        parser.error(f"--dtype: the {args.backend} backend takes {', '.join(dtypes)}; got {args.dtype}")
     for k, v in DEFAULTS[args.task].items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -17,47 +17,46 @@ from pathlib import Path
 
 import numpy as np
 
-from conv2d.backend import not_taken
+from conv2d import backend as backends_module
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
-DTYPES = {"reference": ("float64", "float32", "float16", "bfloat16"), "cuda": ("float32", "float16", "bfloat16")}
 
 
-def _cuda_reason() -> str | None:
-    """None where the CUDA backend can run here, else why not."""
-    try:
-        from conv2d.cuda.runtime import require_gpu
-
-        require_gpu()
-    except Exception as e:  # CudaUnavailableError, or anything a broken install raises
-        return str(e).split(";")[0]
-    return None
+def _reason(name: str) -> str | None:
+    """None where backend `name` can run here, else why not (its first clause)."""
+    reason = backends_module.get(name).unavailable()
+    return None if reason is None else reason.split(";")[0]
 
 
 def _backends(args: argparse.Namespace, parser: argparse.ArgumentParser | None) -> list[str] | None:
     """The backends to check, or None after printing why the command cannot run: by default
-    both, cuda skipped where it cannot run; a list given must name known backends, each
-    of which must run here."""
+    every registered one, each that cannot run here skipped with the reason; a list given
+    must name known backends, each of which must run here."""
     def usage(message: str) -> None:
         if parser is not None:
             parser.error(message)  # exits 2
         raise ValueError(message)
 
+    known = backends_module.backend_names()
     if args.backends is None:
-        reason = _cuda_reason()
+        here = []
+        for name in known:
+            reason = _reason(name)
+            if reason is None:
+                here.append(name)
+            else:
+                print(f"conv2d check: the {name} backend is not checked here: {reason}")
+        return here
+    wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in wanted if b not in known]
+    if not wanted or unknown:
+        usage(f"--backends: expected a comma list of {', '.join(known)}, got {args.backends!r}")
+    for name in dict.fromkeys(wanted):
+        reason = _reason(name)
         if reason is not None:
-            print(f"conv2d check: the cuda backend is not checked here: {reason}")
-            return ["reference"]
-        return ["reference", "cuda"]
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = [b for b in backends if b not in DTYPES]
-    if not backends or unknown:
-        usage(f"--backends: expected a comma list of {', '.join(DTYPES)}, got {args.backends!r}")
-    reason = _cuda_reason() if "cuda" in backends else None
-    if reason is not None:
-        print(f"conv2d check: --backends names cuda, which cannot run here: {reason}")
-        return None
-    return list(dict.fromkeys(backends))
+            print(f"conv2d check: --backends names {name}, which cannot run here: {reason}")
+            return None
+    return list(dict.fromkeys(wanted))
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
@@ -78,25 +77,21 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     backends = _backends(args, parser)
     if backends is None:
         return 1
-    rows, failures, not_taken_rows, start = [], 0, 0, time.perf_counter()
+    backends_declared = {name: backends_module.get(name) for name in backends}
+    rows, failures, start = [], 0, time.perf_counter()
     print("| spec | dtype | backend | worst error / tolerance | bitwise repeat | result |")
     print("| --- | --- | --- | ---: | --- | --- |")
     for path in files:
         case = load_case(path)
         for backend in backends:
-            reason = not_taken(backend, case.spec)
-            if reason is not None:  # a feature the backend does not have yet: said, not failed
-                not_taken_rows += 1
-                print(f"| {case.name} | - | {backend} | - | - | not taken by this backend yet: {reason} |",
-                      flush=True)
-                continue
-            for dtype in DTYPES[backend]:
+            declared = backends_declared[backend]
+            for dtype in declared.dtypes:
                 worst, repeat, error = 0.0, "-", None
                 try:
                     for mode in MODES:
                         got = run_case(case, dtype, mode, backend=backend)
                         worst = max([worst] + [err / tol for _, err, tol in case_errors(case, got, dtype, mode)])
-                        if backend == "cuda":
+                        if declared.checks_repeats:
                             again = run_case(case, dtype, mode, backend=backend)
                             same = all(np.array_equal(np.asarray(got[k]).view(np.uint8),
                                                       np.asarray(again[k]).view(np.uint8)) for k in got)
@@ -109,12 +104,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
                 rows.append(ok)
                 print(f"| {case.name} | {dtype} | {backend} | {worst:.3f} | {repeat} | {result} |", flush=True)
     elapsed = time.perf_counter() - start
+    repeated = [b for b in backends if backends_declared[b].checks_repeats]
+    repeats = f", bitwise repeats on {', '.join(repeated)}" if repeated else ""
     if failures:
         print(f"conv2d check: {failures} of {len(rows)} checks FAILED ({len(files)} golden specs, backends "
               f"{', '.join(backends)}, {elapsed:.1f} s)")
         return 1
-    skipped = f"; {not_taken_rows} spec x backend pairs not taken yet (listed)" if not_taken_rows else ""
     print(f"conv2d check: all {len(rows)} checks passed ({len(files)} golden specs x dtypes, backends "
-          f"{', '.join(backends)}, train and eval{', bitwise repeats on the GPU' if 'cuda' in backends else ''}; "
-          f"{elapsed:.1f} s{skipped})")
+          f"{', '.join(backends)}, train and eval{repeats}; {elapsed:.1f} s)")
     return 0

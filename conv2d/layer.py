@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from conv2d.arrays import content_mark, equal_host_arrays, library, same_memory
-from conv2d.backend import Functions, make_functions
+from conv2d import backend as backends
+from conv2d.backend import Backend, Functions
 from conv2d.spec import LayerSpec, Normalization
 from conv2d.state import RUNNING, check_arrays, grad_layout, initial_state, split_state, state_layout
 
@@ -37,7 +38,8 @@ class Conv2d:
             raise TypeError(f"spec: expected a LayerSpec, got {type(spec).__name__}")
         self.spec = spec
         self.backend = backend
-        self._fn: Functions = make_functions(backend, spec, **backend_options)
+        self._declared = backends.get(backend)
+        self._fn: Functions = self._declared.make(spec, **backend_options)
         fn = self._fn
         self._state = fn.from_host(initial_state(spec))
         self._params, running = split_state(self._state)
@@ -66,6 +68,12 @@ class Conv2d:
         return dict(self._grads)
 
     @property
+    def capabilities(self) -> Backend:
+        """What the backend declares it can do (conv2d.backend.Backend: `captures_graphs`,
+        `has_stream`, `copies_host_input`, ...)."""
+        return self._declared
+
+    @property
     def functions(self) -> Functions:
         """The backend's functions for this spec (`forward`, `backward`, ... over explicit arrays)."""
         return self._fn
@@ -87,9 +95,9 @@ class Conv2d:
             self._saved, self._saved_input, self._saved_version = saved, x, self._version
             # What backward differentiates is x itself where the backend keeps it (the
             # reference's view of host memory, a device array): a change in place must be
-            # caught. The CUDA backend copies host input to the device and differentiates
-            # that copy, whatever the caller does to x after the call: nothing to check.
-            copied = self.backend == "cuda" and not _on_device(x)
+            # caught. A backend that copies host input (to a device) differentiates that
+            # copy, whatever the caller does to x after the call: nothing to check.
+            copied = self._declared.copies_host_input and not _on_device(x)
             self._saved_mark = None if copied else content_mark(x)
             return y
 
@@ -209,13 +217,14 @@ class Conv2d:
             self._fn.write(self._grads, grads)
 
     # CUDA graphs ---------------------------------------------------------------------------
-    def _cuda_only(self, what: str) -> Any:
-        fn = getattr(self._fn, what, None)
-        if fn is None:
+    def _capturing(self, what: str) -> Any:
+        """The backend's `what` (freeze, capture, capture_evaluate), where it declares
+        `captures_graphs`."""
+        if not self._declared.captures_graphs:
             raise TypeError(f"{what}: the {self.backend!r} backend has no CUDA graphs" if what.startswith("capture")
                             else f"{what}: the {self.backend!r} backend allocates with NumPy and has nothing to "
                                  f"freeze")
-        return fn
+        return getattr(self._fn, what)
 
     def freeze(self) -> None:
         """CUDA backend: forbid device allocation from now on (for CUDA graph capture).
@@ -224,7 +233,7 @@ class Conv2d:
         device copy), and outputs and saved values go to layer-owned buffers that the next
         call of the same operation overwrites."""
         with self._lock:
-            self._cuda_only("freeze")()
+            self._capturing("freeze")()
 
     def _snapshot(self) -> Callable[[], None]:
         state, grads = self.state_dict(), self.grad_dict()
@@ -246,7 +255,7 @@ class Conv2d:
         is frozen; `.outputs["y"]` and `.outputs["d_x"]` are the buffers each replay
         writes. Parameters, gradients, running statistics and the optimizer's state
         change with each replay exactly as with an eager step, bitwise."""
-        capture = self._cuda_only("capture")
+        capture = self._capturing("capture")
         check_step_optimizer(optimizer, [self], "this layer alone")
         with self._lock:
             return capture(training_step(self, x, d_y, optimizer), {"x": x, "d_y": d_y},
@@ -255,7 +264,7 @@ class Conv2d:
     def capture_evaluate(self, x: Any) -> Any:
         """CUDA backend: capture evaluate(x) as one CUDA graph (see `capture`);
         `.outputs["y"]` receives each replay's output."""
-        capture = self._cuda_only("capture_evaluate")
+        capture = self._capturing("capture_evaluate")
         with self._lock:
             return capture(lambda: {"y": self.evaluate(x)}, {"x": x}, self._snapshot)
 
@@ -303,9 +312,8 @@ def layer_locks(model: Any) -> Iterator[None]:
 def synchronize(layer: "Conv2d") -> None:
     """Wait for the work queued on the layer's current stream (nothing to wait for on the
     reference backend): before the host reads its arrays or another stream uses them."""
-    stream = getattr(layer.functions, "current_stream", None)
-    if stream is not None:
-        stream.synchronize()
+    if layer.capabilities.has_stream:
+        layer.functions.current_stream.synchronize()
 
 
 def check_step_optimizer(optimizer: Any, layers: list, what: str) -> None:

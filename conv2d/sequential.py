@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from conv2d import backend as backends
 from conv2d.layer import Conv2d, check_step_optimizer, layer_locks, restoring, step_snapshot, training_step
 from conv2d.spec import LayerSpec
 
@@ -41,11 +42,10 @@ class Sequential:
             if a.dtype is not b.dtype or layers[i].backend != layers[0].backend:
                 raise ValueError(f"layers[{i}]: dtype {b.dtype.value} on {layers[i].backend!r} differs from "
                                  f"layers[0]'s {layers[0].spec.dtype.value} on {layers[0].backend!r}")
-        if layers[0].backend == "cuda":
-            from conv2d.cuda.runtime import same_stream
-
+        declared = layers[0].capabilities
+        if declared.has_stream:
             for i, layer in enumerate(layers[1:], 1):
-                if not same_stream(layer.functions.stream, layers[0].functions.stream):
+                if not declared.same_stream(layer.functions.stream, layers[0].functions.stream):
                     raise ValueError(f"layers[{i}]: runs on another CUDA stream than layers[0] (each layer's output "
                                      f"is the next one's input, unsynchronised); give every layer the same stream= "
                                      f"or use Sequential.from_specs, which does")
@@ -144,7 +144,7 @@ class Sequential:
         As `Conv2d.capture`: `x` and `d_y` are device arrays the graph reads where they
         are, the layers are frozen, `.outputs["y"]` and `.outputs["d_x"]` are what each
         replay writes, and every replay changes the state exactly as an eager step."""
-        self._cuda_only("capture")
+        self._capturing("capture")
         check_step_optimizer(optimizer, self.layers, "this Sequential's layers")
         return self._capture(training_step(self, x, d_y, optimizer), {"x": x, "d_y": d_y},
                              step_snapshot(self._snapshot, optimizer))
@@ -153,11 +153,11 @@ class Sequential:
         """CUDA backend: capture evaluate(x) through every layer as one CUDA graph (see
         `capture`): write new values into `x`, `.replay()`, and read `.outputs["y"]`. An
         agent acting at batch 1 replays it per step instead of one eager call per layer."""
-        self._cuda_only("capture_evaluate")
+        self._capturing("capture_evaluate")
         return self._capture(lambda: {"y": self.evaluate(x)}, {"x": x}, self._snapshot)
 
-    def _cuda_only(self, name: str) -> None:
-        if self.backend != "cuda":
+    def _capturing(self, name: str) -> None:
+        if not self.layers[0].capabilities.captures_graphs:
             raise TypeError(f"{name}: the {self.backend!r} backend has no CUDA graphs")
 
     def _capture(self, run: Any, inputs: dict, snapshot: Any) -> Any:
@@ -226,10 +226,9 @@ class Sequential:
 
 
 def _one_stream(backend: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The backend options for every layer of a stack: on CUDA with a stream for all (the
-    caller's, or a new one)."""
-    if backend != "cuda" or options.get("stream") is not None:
+    """The backend options for every layer of a stack: on a backend with streams, with a
+    stream for all (the caller's, or a new one)."""
+    declared = backends.get(backend)
+    if not declared.has_stream or options.get("stream") is not None:
         return options
-    from conv2d.cuda.runtime import numba_cuda
-
-    return dict(options, stream=numba_cuda().stream())
+    return dict(options, stream=declared.new_stream())

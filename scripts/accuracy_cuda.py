@@ -259,11 +259,11 @@ def engine_rows(networks: str) -> list[str]:
     without TF32: the error (against float64) and GPU time of the cuDNN plan our heuristic
     (mode B) chooses, of mode A's first plan (PyTorch's choice: its error is PyTorch's), and
     of the most accurate deterministic plan of either list, beside PyTorch's own error."""
-    from conv2d.cuda import cudnn as C
+    from conv2d.cuda import cudnn as C, plan_heuristic
     from conv2d.cuda.runtime import numba_cuda
     from conv2d.spec import DType
 
-    cud = C._import_cudnn()
+    cud = C.import_cudnn()
     handle = cud.create_handle()
     stream = torch.cuda.current_stream().cuda_stream
     cud.set_stream(handle, stream)
@@ -296,7 +296,7 @@ def engine_rows(networks: str) -> list[str]:
                     saved = C.HEUR_MODES[DType.FLOAT32]
                     C.HEUR_MODES[DType.FLOAT32] = mode
                     try:
-                        built = C._build(op, spec, handle, False)
+                        built = C.build(op, spec, handle, False)
                     finally:
                         C.HEUR_MODES[DType.FLOAT32] = saved
                     chosen[mode[0]] = built.plan
@@ -324,7 +324,7 @@ def engine_rows(networks: str) -> list[str]:
                         except Exception:  # a plan that does not build or run
                             continue
                 best = min(plans, key=lambda k: (plans[k][0], plans[k][1]))
-                picked = C._build_accurate(op, spec, handle, C.AccuracyProbe(numba_cuda(), stream)).plan
+                picked = plan_heuristic.build_accurate(op, spec, handle, plan_heuristic.AccuracyProbe(numba_cuda(), stream)).plan
 
                 def cell(name):
                     e, ms = plans.get(name, (float("nan"), float("nan")))

@@ -66,7 +66,7 @@ def measure(spec, steps: int, config, depthwise_kernel: str = "auto") -> tuple[d
     the row kernels' block count, the convolutions' kernels the layer took: "numba" or
     "cudnn")."""
     from conv2d import Conv2d
-    from conv2d.cuda import cudnn
+    from conv2d.cuda import cudnn_execution
     from conv2d.cuda.launch import Launch
     from conv2d.cuda.runtime import to_device_bits
 
@@ -87,7 +87,7 @@ def measure(spec, steps: int, config, depthwise_kernel: str = "auto") -> tuple[d
     stream.synchronize()
 
     pieces: list[tuple[str, object, object]] = []
-    launch_call, execute_run = Launch.__call__, cudnn.Execution.run
+    launch_call, execute_run = Launch.__call__, cudnn_execution.Execution.run
 
     def timed(label, run):
         start, end = cuda.event(), cuda.event()
@@ -103,7 +103,7 @@ def measure(spec, steps: int, config, depthwise_kernel: str = "auto") -> tuple[d
             launch.label = key.step
 
     Launch.__call__ = lambda self, **args: timed(getattr(self, "label", "kernel"), lambda: launch_call(self, **args))
-    cudnn.Execution.run = lambda self: timed(self.graph.op, lambda: execute_run(self))
+    cudnn_execution.Execution.run = lambda self: timed(self.graph.op, lambda: execute_run(self))
     try:
         per = defaultdict(list)
         for _ in range(steps):
@@ -116,7 +116,7 @@ def measure(spec, steps: int, config, depthwise_kernel: str = "auto") -> tuple[d
             for label, ms in seen.items():
                 per[label].append(ms)
     finally:
-        Launch.__call__, cudnn.Execution.run = launch_call, execute_run
+        Launch.__call__, cudnn_execution.Execution.run = launch_call, execute_run
 
     graph = layer.capture(x, dy)
     medians = {k: statistics.median(v) for k, v in per.items()}

@@ -9,7 +9,7 @@ conv2d/cuda/cudnn.py uses. Needs pip and the package index; runs no GPU code.
    conflict).
 2. For each frontend version: its wheel's required dependencies and which of the names
    cudnn.py calls its files contain (public graph API, autotune's `select_plan`, and the
-   private fast path of `cudnn.Execution`).
+   private fast path of `cudnn_execution.Execution`).
 """
 
 from __future__ import annotations

@@ -130,8 +130,7 @@ class DemoAgent:
         self.target = breakout.q_network(actions, batch, "float32", backend)
         self.target.load_state_dict(self.q.state_dict())
         opt = Adam(self.q, lr=1e-3, preset="rl_tools_eps_1e-8")
-        self.net = (breakout._Graphs if backend == "cuda" else breakout._CallByCall)(self.q, self.target, opt, batch,
-                                                                                     actions, self.st)
+        self.net = breakout.networks(self.q, self.target, opt, batch, actions, self.st)
 
     def act(self, state: np.ndarray) -> int:
         return int(self.net.act(state).astype(np.float64).reshape(-1).argmax())

@@ -1,4 +1,4 @@
-"""A stand-in for cuDNN in tests: the three convolutions of `conv2d.cuda.cudnn.Convolutions`
+"""A stand-in for cuDNN in tests: the three convolutions of `conv2d.cuda.cudnn_execution.Convolutions`
 done by the reference on host copies, rounded as cuDNN stores them. With it the CUDA
 backend's kernels and orchestration run in numba's simulator, where cuDNN cannot."""
 
@@ -10,7 +10,7 @@ from conv2d.reference import conv
 
 
 class HostConvolutions:
-    """Made for one input shape, as cudnn.Convolutions: `spec` is the spec at that shape."""
+    """Made for one input shape, as cudnn_execution.Convolutions: `spec` is the spec at that shape."""
 
     def __init__(self, spec):
         self.spec = spec

@@ -22,14 +22,6 @@ if HAVE_GPU:
     from conv2d.testing.golden import MODES, check_case, golden_files, load_case, run_case
 
     FILES = golden_files(GOLDEN_DIR)
-
-    def not_taken_by_cuda(path):
-        """pytest marks for a golden file: skipped, saying why, where its spec has an option
-        the CUDA backend does not have yet."""
-        from conv2d.backend import not_taken
-
-        reason = not_taken("cuda", load_case(path).spec)
-        return [pytest.mark.skip(reason=f"not taken by the CUDA backend yet: {reason}")] if reason else []
 else:
     FILES, MODES = [], ()
 
@@ -52,7 +44,7 @@ def step(layer, x, dy, training=True):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("path", [pytest.param(p, marks=not_taken_by_cuda(p), id=p.stem) for p in FILES])
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.stem) for p in FILES])
 def test_cuda_matches_golden(path, dtype, mode):
     case = load_case(path)
     check_case(case, run_case(case, dtype, mode, backend="cuda"), dtype, mode)
@@ -1340,7 +1332,7 @@ def test_conv2d_check_passes_on_both_backends_with_bitwise_repeats_on_the_gpu(ca
     # minutes, and test_cuda_kernels runs each golden file on the GPU already.
     assert main(["check", "--specs", "relu_bn_nonsquare,gelu_original_ln"]) == 0
     out = capsys.readouterr().out
-    assert "| cuda |" in out and "| NO |" not in out and "bitwise repeats on the GPU" in out.splitlines()[-1]
+    assert "| cuda |" in out and "| NO |" not in out and "bitwise repeats on cuda" in out.splitlines()[-1]
 
 
 # The PyTorch module under torch.compile on the GPU (the PyTorch-integration issue) -------------

@@ -18,7 +18,6 @@ from conv2d.cuda import kernels as K  # noqa: E402
 from conv2d.cuda.runtime import numba_cuda  # noqa: E402
 from conv2d.arrays import to_host  # noqa: E402
 from conv2d.dtypes import storage_dtype  # noqa: E402
-from conv2d.backend import not_taken  # noqa: E402
 from conv2d.testing.golden import MODES, check_case, golden_files, load_case, run_case  # noqa: E402
 from host_convolutions import HostConvolutions  # noqa: E402
 
@@ -29,13 +28,6 @@ FILES = {p.stem: p for p in golden_files(GOLDEN_DIR)}
 SIXTEEN_BIT_CASES = ["relu_bn_nonsquare", "gelu_original_ln", "tanh_stride4_pad2", "fast_tanh_bn_k5_c1"]
 CASES = ([(name, "float32", mode) for name in FILES for mode in MODES]
          + [(name, dt, mode) for name in SIXTEEN_BIT_CASES for dt in ("float16", "bfloat16") for mode in MODES])
-
-
-def not_taken_by_cuda(path):
-    """pytest marks for a golden file: skipped, saying why, where its spec has an option
-    the CUDA backend does not have yet."""
-    reason = not_taken("cuda", load_case(path).spec)
-    return [pytest.mark.skip(reason=f"not taken by the CUDA backend yet: {reason}")] if reason else []
 
 
 def cuda_layer(spec, seed=0, **options):
@@ -57,7 +49,7 @@ def assert_grads_and_state_match(ours, ref, bias_atol=1e-5):
         np.testing.assert_allclose(ours.state_dict()[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
 
 
-@pytest.mark.parametrize("name, dtype, mode", [pytest.param(*c, marks=not_taken_by_cuda(FILES[c[0]]), id="-".join(c))
+@pytest.mark.parametrize("name, dtype, mode", [pytest.param(*c, id="-".join(c))
                                               for c in CASES])
 def test_cuda_kernels_match_the_golden_files(name, dtype, mode):
     case = load_case(FILES[name])
@@ -597,7 +589,7 @@ ORACLE_CASES = {"plain": dict(), "stride2_dilated": dict(stride=2, dilation=2, p
 
 @pytest.mark.parametrize("case", list(ORACLE_CASES))
 def test_the_float64_oracle_computes_the_references_three_convolutions(case):
-    """kernels/oracle.py (what cudnn.AccuracyProbe measures cuDNN's float32 plans
+    """kernels/oracle.py (what plan_heuristic.AccuracyProbe measures cuDNN's float32 plans
     against): forward and backward-data on the first samples, backward-filter over all,
     as the reference's float64 convolutions."""
     from conv2d.cuda.kernels import oracle
@@ -631,20 +623,21 @@ def test_the_float64_oracle_computes_the_references_three_convolutions(case):
                                           ((3e-7, 3e-7), "mode B's"), ((3.9e-7, 2e-7), "mode B's"),
                                           ((4.1e-7, 2e-7), "mode A's"), ((None, 2e-7), "mode B's")])
 def test_strict_float32_keeps_mode_a_plan_only_where_mode_b_is_clearly_less_accurate(monkeypatch, errors, kept):
-    """cudnn._build_accurate: mode B's first plan (the faster heuristic) unless its
+    """plan_heuristic.build_accurate: mode B's first plan (the faster heuristic) unless its
     measured error is more than ACCURACY_MARGIN (2) times that of mode A's first
     (PyTorch's choice); B within the margin, or where the oracle would cost too much (None)."""
-    from conv2d.cuda import cudnn
+    from conv2d.cuda import cudnn, plan_heuristic
 
-    def build(op, spec, handle, allow_tf32, autotune=None, config=None, modes=None):
-        return cudnn.Graph(op, spec, None, {}, 0, None, "mode A's" if modes == cudnn.ACCURACY_MODES else "mode B's")
+    def build(op, spec, handle, allow_tf32, config=None, modes=None, select=None):
+        return cudnn.Graph(op, spec, None, {}, 0, None,
+                           "mode A's" if modes == plan_heuristic.ACCURACY_MODES else "mode B's")
 
     class Probe:
         def error(self, op, g, handle):
             return errors[0] if g.plan == "mode B's" else errors[1]
 
     monkeypatch.setattr(cudnn, "_build", build)
-    assert cudnn._build_accurate("forward", small_layer_spec(), None, Probe()).plan == kept
+    assert plan_heuristic.build_accurate("forward", small_layer_spec(), None, Probe()).plan == kept
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="the simulator's own behaviour: runs where the kernels are simulated")

@@ -81,11 +81,11 @@ def test_the_declared_backend_options_are_the_cuda_functions_keywords():
     import inspect
 
     pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (the test extra brings it)")
-    from conv2d.backend import OPTIONS
+    from conv2d import backend
     from conv2d.cuda.functional import Functions
 
     params = list(inspect.signature(Functions.__init__).parameters)[2:]  # self, spec
-    assert tuple(params) == OPTIONS["cuda"]
+    assert tuple(params) == backend.get("cuda").options
 
 
 # 2. Double backward raises ----------------------------------------------------------------------

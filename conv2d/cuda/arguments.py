@@ -11,7 +11,6 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from conv2d.arrays import NUMPY, library
-from conv2d.backend import not_taken
 from conv2d.checks import describe, input_spec
 from conv2d.cuda import kernels as K
 from conv2d.cuda.depthwise import is_depthwise
@@ -27,9 +26,6 @@ def check_options(spec: LayerSpec, allow_tf32: bool, autotune: bool, fast_paths:
     if spec.dtype is DType.FLOAT64:
         raise ValueError("dtype: float64 is the reference backend's oracle type; the CUDA backend takes "
                          "float32, float16 or bfloat16")
-    reason = not_taken("cuda", spec)
-    if reason is not None:
-        raise NotImplementedError(reason)
     for name, value in (("allow_tf32", allow_tf32), ("autotune", autotune), ("fast_paths", fast_paths)):
         if not isinstance(value, bool):
             raise TypeError(f"{name}: expected a bool, got {value!r}")

@@ -1,7 +1,7 @@
 """A depthwise layer's three convolutions through numba kernels (kernels/depthwise.py)
 instead of cuDNN: the backend option `depthwise_kernel`, "numba" for layers with groups ==
 in_channels ("auto", the default, takes it for them). Same methods as
-`cudnn.Convolutions` (the steps call either alike); the launches are prepared once per
+`cudnn_execution.Convolutions` (the steps call either alike); the launches are prepared once per
 input shape and run on the layer's current stream, so they are captured in CUDA graphs
 like the other kernels.
 

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from conv2d.arrays import NUMPY, library
-from conv2d.cuda import cudnn, kernels as K, steps
+from conv2d.cuda import cudnn, cudnn_execution, kernels as K, steps
 from conv2d.cuda.arguments import Arguments, check_options
 from conv2d.cuda.kernels import simple
 from conv2d.cuda.kernels.padding import padding_kernels
@@ -68,11 +68,11 @@ class Functions:
         let float32 convolutions use TF32 tensor cores. `autotune`: time every
         deterministic cuDNN plan of each convolution once per process and use the fastest
         (else cuDNN's heuristic choice). `convolutions`: a stand-in for cuDNN, called with
-        the spec of an input shape, with `cudnn.Convolutions`' methods (tests use one in
+        the spec of an input shape, with `cudnn_execution.Convolutions`' methods (tests use one in
         numba's simulator, where cuDNN cannot run). `max_shapes`: input shapes kept planned.
         `fast_paths`: prepared kernel launches straight to the driver and cuDNN executes
         through the frontend's native pointer array (private APIs, `launch.py`,
-        `cudnn.Execution`); False takes numba's dispatcher and the frontend's public
+        `cudnn_execution.Execution`); False takes numba's dispatcher and the frontend's public
         execute, with bitwise the same results (tests/test_cuda.py), for a new numba or
         frontend whose private API moved. `kernels`: "fast" (kernels/fast.py, fused) or
         "simple" (kernels/simple.py: one plain kernel per reference step, through numba's
@@ -108,8 +108,8 @@ class Functions:
             # collector runs (which may be inside a caller's CUDA graph capture, where
             # numba's frees would invalidate it).
             device, relu_fusion = cuda.get_current_device().id, self.relu_fusion
-            convolutions = lambda s: cudnn.Convolutions(cuda, s, handle, stream_handle(own), device,  # noqa: E731
-                                                        allow_tf32, relu_fusion, autotune, fast_paths)
+            convolutions = lambda s: cudnn_execution.Convolutions(  # noqa: E731
+                cuda, s, handle, stream_handle(own), device, allow_tf32, relu_fusion, autotune, fast_paths)
         self._handle = handle
         self.streams = Streams(cuda, own, stream is not None, handle)
         if own_convolutions:

@@ -1,7 +1,7 @@
 """Device arrays over memory another library owns (torch CUDA tensors), as the backend's
 launches read them: an address, a shape and a dtype, the owner kept alive.
 
-A prepared launch (`launch.Launch`) and a cuDNN execution (`cudnn.Execution`) need only
+A prepared launch (`launch.Launch`) and a cuDNN execution (`cudnn_execution.Execution`) need only
 the address. Viewing a torch tensor as numba's own DeviceNDArray (its extents computed
 in Python) took 6.3 us of host time on the H200, this 1.1 us (measured with a probe
 since removed, scripts/probe_module.py in git), and the PyTorch module's step views

@@ -9,7 +9,7 @@ A replay buffer of the last 100k transitions, a target network copied by state e
 1000 steps, Adam, epsilon-greedy exploration from 1 to 0.1 over the first 20% of the
 steps, the Huber loss of the TD error with discount 0.99 (as in MinAtar's DQN baseline).
 
-On the CUDA backend the network's three uses are CUDA graphs (`_Graphs`): acting at batch
+On a backend that captures graphs (CUDA) the network's three uses are CUDA graphs (`_Graphs`): acting at batch
 1, the two networks' values of a sampled batch, and the whole training step (zero_grad,
 forward, backward, Adam); one eager call per layer (`_CallByCall`, the reference backend's
 way) costs more host time than these small layers' math.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -88,6 +89,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def networks(q: Sequential, target: Sequential, opt: Adam, batch_size: int, actions: int, st: np.dtype) -> Any:
+    """The network's three uses as graphs where the backend captures them (`_Graphs`),
+    else one eager call per layer (`_CallByCall`)."""
+    kind = _Graphs if q.layers[0].capabilities.captures_graphs else _CallByCall
+    return kind(q, target, opt, batch_size, actions, st)
+
+
 def _train(args: argparse.Namespace, seed: int) -> dict:
     """One run: its episodes' returns and ends, the mean return of its last JUDGED
     episodes and its time."""
@@ -101,7 +109,7 @@ def _train(args: argparse.Namespace, seed: int) -> dict:
     target = q_network(len(actions), args.batch_size, args.dtype, args.backend)
     target.load_state_dict(q.state_dict())
     opt = Adam(q, lr=args.lr, preset="rl_tools_eps_1e-8")
-    net = (_Graphs if args.backend == "cuda" else _CallByCall)(q, target, opt, args.batch_size, len(actions), st)
+    net = networks(q, target, opt, args.batch_size, len(actions), st)
     rng = np.random.default_rng(seed + 1)
     n = min(REPLAY, args.steps)
     obs = np.zeros((n, 10, 10, 4), st)

@@ -142,7 +142,7 @@ class Conv2dNormActivation(nn.Module):
     when `torch.backends.cudnn.benchmark` is on, as PyTorch does for its own, unless
     `backend_options` gives `autotune`.
     `backend_options`: a dict of the CUDA backend's options (e.g. {"allow_tf32": True};
-    `conv2d.backend.OPTIONS["cuda"]` lists them), checked here; CPU tensors run on the
+    `conv2d.backend.get("cuda").options` lists them), checked here; CPU tensors run on the
     reference backend, which has none. `batch_invariant`: LayerSpec's (a sample's results
     bitwise the same whatever batch it is in; CPU tensors only for now: the CUDA backend
     refuses it with NotImplementedError at the first call).
