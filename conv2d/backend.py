@@ -268,7 +268,8 @@ def register_backend(name: str, factory: str | Callable[..., Functions] | Backen
 
 
 def backend_names() -> list[str]:
-    return sorted(_REGISTRY)
+    """The registered backends, in the order they were registered (the reference first)."""
+    return list(_REGISTRY)
 
 
 def make_functions(name: str, spec: LayerSpec, **options: Any) -> Functions:

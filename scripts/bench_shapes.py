@@ -42,18 +42,6 @@ def bench_spec(name: str, batch_norm: bool, dtype: str, batch_size: int | None =
                      normalization="batch_norm" if batch_norm else "none", dtype=dtype, **OPTIONS.get(name, {}))
 
 
-def one_spec_arguments(ap) -> None:
-    """--shape, --bn and --dtype of a script that looks at one layer (`spec_of` reads them)."""
-    ap.add_argument("--shape", default="tiny_latency", choices=sorted(SHAPES))
-    ap.add_argument("--bn", action="store_true")
-    ap.add_argument("--dtype", default="float32")
-
-
-def spec_of(args) -> LayerSpec:
-    """The layer `one_spec_arguments` named."""
-    return bench_spec(args.shape, args.bn, args.dtype)
-
-
 def flops(spec: LayerSpec) -> dict[str, float]:
     """Multiply-adds x 2 of the three convolutions of a step."""
     kh, kw = spec.kernel

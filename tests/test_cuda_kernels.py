@@ -636,7 +636,7 @@ def test_strict_float32_keeps_mode_a_plan_only_where_mode_b_is_clearly_less_accu
         def error(self, op, g, handle):
             return errors[0] if g.plan == "mode B's" else errors[1]
 
-    monkeypatch.setattr(cudnn, "_build", build)
+    monkeypatch.setattr(cudnn, "build", build)
     assert plan_heuristic.build_accurate("forward", small_layer_spec(), None, Probe()).plan == kept
 
 

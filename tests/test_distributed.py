@@ -81,7 +81,7 @@ def test_all_reduced_gradients_equal_one_process_on_the_whole_batch_and_repeat_b
 
 def test_the_launcher_trains_the_digits_network_data_parallel(capfd):
     pytest.importorskip("sklearn", reason="scikit-learn (the demo extra) is not installed")
-    from conv2d.distributed import main
+    from conv2d.demos.data_parallel import main
 
     assert main(["--nproc", "2", "--epochs", "1"]) == 0
     out = capfd.readouterr().out

@@ -41,6 +41,7 @@ from conv2d.cuda.kernels import simple
 from conv2d.cuda.kernels.padding import padding_kernels
 from conv2d.cuda.launch import Launch, Launcher, device_pointer
 from conv2d.cuda.memory import OutputAllocator, Outputs
+from conv2d.cuda.optim import OptimizerSteps
 from conv2d.cuda.plans import Saved, ShapePlan, ShapePlans
 from conv2d.cuda.depthwise import DepthwiseConvolutions, is_depthwise
 from conv2d.cuda.runtime import (as_stream, device_dtype, from_device_bits, numba_cuda, require_gpu, same_stream,
@@ -53,8 +54,9 @@ from conv2d.state import state_layout
 __all__ = ["Functions", "Saved"]
 
 
-class Functions:
-    """The CUDA backend's functions for one spec; see the module docstring."""
+class Functions(OptimizerSteps):
+    """The CUDA backend's functions for one spec; see the module docstring. The
+    optimizers' steps come from `optim.OptimizerSteps`."""
 
     name = "cuda"
 
@@ -342,26 +344,6 @@ class Functions:
                     grads = self._outputs.host(grads)
                 d_x = None if d_x is None else self._outputs.result(d_x, lib, stream)
             return grads, d_x
-
-    # Optimizer steps of a layer's flat parameters (conv2d.optim), one launch on the current stream.
-    def adam_step(self, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
-                  step: Any, h: dict, prepared: dict) -> None:
-        """One Adam step of a layer's parameters; `step` is the device step count and
-        `prepared` a dict the caller keeps per layer for the prepared launch."""
-        from conv2d.cuda import optim
-
-        with self._lock:
-            optim.adam_step(self._k.launch, self._dummy, self.spec.dtype.value, self.streams.current, params, grads,
-                            buffers, step, h, prepared)
-
-    def sgd_step(self, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
-                 step: Any, h: dict, prepared: dict) -> None:
-        """One SGD step of a layer's parameters (see `adam_step`)."""
-        from conv2d.cuda import optim
-
-        with self._lock:
-            optim.sgd_step(self._k.launch, self._dummy, self.spec.dtype.value, self.streams.current, params, grads,
-                           buffers, step, h, prepared)
 
     # Memory: the layer's arrays are flat numba device arrays ----------------------------------
     def from_host(self, values: Mapping[str, np.ndarray]) -> dict[str, Any]:

@@ -232,3 +232,25 @@ def _ticket(prepared: dict, stream: Any) -> Any:
     if "ticket" not in prepared:
         prepared["ticket"] = cuda.to_device(np.zeros(1, np.int32), stream=stream)
     return prepared["ticket"]
+
+
+class OptimizerSteps:
+    """The optimizers' steps (conv2d.backend.OptimizerSteps) of the CUDA functions: one
+    launch over a layer's flat parameters on the functions' current stream, under their
+    lock. Mixed into `functional.Functions`, whose `_lock`, `_k` (kernels and launcher),
+    `_dummy`, `spec` and `streams` it uses."""
+
+    def adam_step(self, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
+                  step: Any, h: dict, prepared: dict) -> None:
+        """One Adam step of a layer's parameters; `step` is the device step count and
+        `prepared` a dict the caller keeps per layer for the prepared launch."""
+        with self._lock:
+            adam_step(self._k.launch, self._dummy, self.spec.dtype.value, self.streams.current, params, grads,
+                      buffers, step, h, prepared)
+
+    def sgd_step(self, params: Mapping[str, Any], grads: Mapping[str, Any], buffers: Mapping[str, dict],
+                 step: Any, h: dict, prepared: dict) -> None:
+        """One SGD step of a layer's parameters (see `adam_step`)."""
+        with self._lock:
+            sgd_step(self._k.launch, self._dummy, self.spec.dtype.value, self.streams.current, params, grads,
+                     buffers, step, h, prepared)

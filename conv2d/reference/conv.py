@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from conv2d.padding import sources
 from conv2d.reference.norm import wide_sum
 
 
@@ -41,19 +42,6 @@ def pad(x: np.ndarray, padding: tuple, mode: str = "zeros") -> np.ndarray:
         xp[:, top:top + h, left:left + w] = x
         return xp
     return np.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)), mode=_NUMPY_MODES[mode])
-
-
-def sources(size: int, before: int, after: int, mode: str) -> np.ndarray:
-    """For each of the before + size + after padded positions of one axis, the input
-    position it copies (-1: a zero)."""
-    j = np.arange(-before, size + after)
-    if mode == "zeros":
-        return np.where((j >= 0) & (j < size), j, -1)
-    if mode == "reflect":
-        return np.where(j < 0, -j, np.where(j >= size, 2 * (size - 1) - j, j))
-    if mode == "replicate":
-        return np.clip(j, 0, size - 1)
-    return j % size  # circular
 
 
 def unpad(d_xp: np.ndarray, padding: tuple, mode: str, input_hw: tuple[int, int]) -> np.ndarray:

@@ -64,7 +64,6 @@ class CallGraphs:
         self._graphs: OrderedDict[tuple, list] = OrderedDict()  # key -> [graph, resources, replays]
         self._seen: OrderedDict[tuple, int] = OrderedDict()  # key -> eager calls so far, -1: failed
         self._side: torch.cuda.Stream | None = None
-        self.last_failure: str | None = None  # why the last failed capture failed
         st = storage_dtype(fn.spec.dtype)
         self._grads = [(k, shape, dt == st) for k, (shape, dt) in grad_layout(fn.spec).items()]
 
@@ -131,8 +130,7 @@ class CallGraphs:
                     resources = call()
                 finally:
                     graph.capture_end()
-        except Exception as e:  # noqa: BLE001 - the eager call that follows raises any real error
-            self.last_failure = f"{type(e).__name__}: {e}"
+        except Exception:  # noqa: BLE001 - the eager call that follows raises any real error
             # An operation a capture forbids (a launch or plan built for the first time
             # when the shape's plan was dropped in between, say): the caller runs it eagerly.
             return None, None

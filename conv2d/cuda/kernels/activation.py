@@ -15,7 +15,7 @@ cuda = numba_cuda()
 f32 = np.float32
 
 # float32 constants: a bare Python float would promote the arithmetic to float64.
-ZERO, ONE, HALF, TWO, THREE = f32(0), f32(1), f32(0.5), f32(2), f32(3)
+ZERO, ONE, HALF, TWO = f32(0), f32(1), f32(0.5), f32(2)
 K_TANH = f32(act_table.GELU_TANH_K)
 K_ORIGINAL = f32(act_table.GELU_ORIGINAL_K)
 CUBIC = f32(act_table.GELU_CUBIC)

@@ -5,7 +5,7 @@ padding; backward-data gives the padded input's gradient, and `unpad_gradient` a
 padded position's gradient to the input position it copies.
 
 Which input position a padded one copies is one table per axis (`source_tables`, made on
-the host from the reference's conv.sources), so the kernels do not repeat the modes' rules:
+the host from conv2d/padding.py's `sources`, the rule every backend reads), so the kernels do not repeat the modes' rules:
 `rows` (Hp,) and `cols` (Wp,) hold the input row / column of each padded one (-1: a zero).
 For the adjoint each input position lists the padded positions that copy it, ascending,
 -1 after the last (`copies`, (size, K)); the gradient adds them rows first, then columns,
@@ -22,7 +22,7 @@ from conv2d.cuda.kernels.activation import ZERO
 from conv2d.cuda.kernels.bits import storage_io
 from conv2d.cuda.kernels.layout import nhwc_position
 from conv2d.cuda.runtime import numba_cuda
-from conv2d.reference.conv import sources
+from conv2d.padding import sources
 
 cuda = numba_cuda()
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
@@ -301,12 +302,10 @@ def _row_pass(storage: str, activation: Activation, normalization: Normalization
     return row_pass
 
 
-def _phase_two(storage: str, config: LaunchConfig) -> SimpleNamespace:
-    """The summing jobs' phase two (device functions): `finish` a channel's totals, and
-    `phase_two`, the last blocks adding the partials (with `column_sums`, `channel_sums`)."""
-    PHASE_TWO_UNROLL, PHASE_GROUP = config.phase_two_unroll, config.phase_group
-    stored_io = storage_io(storage)
-    load, store = stored_io.load, stored_io.store
+def _partial_sums(config: LaunchConfig) -> SimpleNamespace:
+    """Phase two's sums of the partials (device functions): `column_sums`, one thread's
+    rows of a channel, and `channel_sums`, a channel's threads' sums added in order."""
+    PHASE_TWO_UNROLL = config.phase_two_unroll
 
     @cuda.jit(device=True, inline=True)
     def column_sums(p0, p1, base, j, n, stride, C, c):
@@ -345,6 +344,14 @@ def _phase_two(storage: str, config: LaunchConfig) -> SimpleNamespace:
                 t0 += s0[j * C + t]
                 t1 += s1[j * C + t]
         return t0, t1
+    return SimpleNamespace(column_sums=column_sums, channel_sums=channel_sums)
+
+
+def _finish(storage: str) -> Any:
+    """Phase two's last step (a device function): `finish` turns a channel's totals into
+    the job's results (statistics and running statistics, norm gradients, bias gradient)."""
+    stored_io = storage_io(storage)
+    load, store = stored_io.load, stored_io.store
 
     @cuda.jit(device=True, inline=True)
     def finish(job, g, t0, t1, z, mean, inv_std, sums, count, epsilon, momentum, batches, var_scale, C, acc0,
@@ -377,6 +384,16 @@ def _phase_two(storage: str, config: LaunchConfig) -> SimpleNamespace:
             store(acc0, g, np.float32(load(acc0, g) + t0))
         elif accumulate == ACC_WRITE:
             store(acc0, g, np.float32(t0 + WIDE_ZERO))
+    return finish
+
+
+def _phase_two(storage: str, config: LaunchConfig) -> SimpleNamespace:
+    """The summing jobs' phase two (device functions): `finish` a channel's totals, and
+    `phase_two`, the last blocks adding the partials (`_partial_sums`)."""
+    PHASE_GROUP = config.phase_group
+    sums_of = _partial_sums(config)
+    column_sums, channel_sums = sums_of.column_sums, sums_of.channel_sums
+    finish = _finish(storage)
 
     @cuda.jit(device=True, inline=True)
     def phase_two(job, p, t, out0, out1, s0, s1, ticket, counter, C, z, mean, inv_std, sums, count, epsilon,
