@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cuda import torch_graph  # noqa: E402  (PyTorch's capture recipe)
+from bench_cuda_runs import torch_graph  # noqa: E402  (PyTorch's capture recipe)
 from bench_shapes import provenance  # noqa: E402
 import rl_loop  # noqa: E402
 

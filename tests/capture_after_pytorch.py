@@ -31,7 +31,7 @@ from conv2d.torch import swap
 
 # scripts/bench_networks.py's capture: PyTorch's recipe (three warm-up steps on a side stream).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from bench_cuda import torch_graph  # noqa: E402
+from bench_cuda_runs import torch_graph  # noqa: E402
 
 WIDTHS = [(3, 64, 1), (64, 64, 1), (64, 128, 2), (128, 128, 1)]  # (in, out, stride)
 REPLAYS = 5
