@@ -1,4 +1,4 @@
-"""A scenario for tests/test_cuda.py, run in a process of its own (a CUDA error such as an
+"""A scenario for tests/test_torch_module_cuda.py, run in a process of its own (a CUDA error such as an
 illegal memory access poisons the process's context): scripts/bench_networks.py's "graph"
 mode on a CIFAR-style conv-BN-ReLU network. The plain PyTorch network's training step is
 captured in torch.cuda.graph and replayed first, then the same network with the module

@@ -1,5 +1,5 @@
 """conv2d.cuda.plan_store: autotuned cuDNN plan choices kept in a JSON file across
-processes (the file handling; tests/test_cuda.py checks a second process reusing a
+processes (the file handling; tests/test_cuda_capture.py checks a second process reusing a
 first one's choices on a GPU)."""
 
 import json

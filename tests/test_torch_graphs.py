@@ -1,7 +1,7 @@
 """conv2d.torch.graphs.CallGraphs, the policy of the module's CUDA graph replays, on the CPU:
 which calls run eagerly, which are captured and which replay, with the capture stood in
 for (the graphs themselves, bitwise against launched steps, are tested on the GPU in
-tests/test_cuda.py)."""
+tests/test_torch_graphs_cuda.py)."""
 
 import types
 

@@ -99,7 +99,7 @@ class Convolutions:
             ops.append("forward_relu")
         # One layer at a time builds its cuDNN resources: on the H200 two threads that
         # constructed layers together hung once, one in cudnnCreate, the other
-        # allocating its workspace (tests/test_cuda.py, two-thread test).
+        # allocating its workspace (tests/test_cuda_layer.py, two-thread test).
         with cudnn.BUILD_LOCK:
             self.handle = handle
             bench = plan_autotune.Bench(cuda, spec, stream_ptr, self.handle) if autotune else None

@@ -75,7 +75,7 @@ class Functions(OptimizerSteps):
         `fast_paths`: prepared kernel launches straight to the driver and cuDNN executes
         through the frontend's native pointer array (private APIs, `launch.py`,
         `cudnn_execution.Execution`); False takes numba's dispatcher and the frontend's public
-        execute, with bitwise the same results (tests/test_cuda.py), for a new numba or
+        execute, with bitwise the same results (tests/test_cuda_capture.py), for a new numba or
         frontend whose private API moved. `kernels`: "fast" (kernels/fast.py, fused) or
         "simple" (kernels/simple.py: one plain kernel per reference step, through numba's
         dispatcher; for reading, and for checking a new fast kernel against).

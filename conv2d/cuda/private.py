@@ -1,6 +1,6 @@
 """Every private API the CUDA backend uses, in one module, each beside the public path it
 must agree with. The backend option `fast_paths=False` takes the public paths, and tests
-compare the bits of the two (tests/test_cuda.py), so that a numba or cudnn-frontend
+compare the bits of the two (tests/test_cuda_capture.py), so that a numba or cudnn-frontend
 release that moves one of these shows up as a failing test, with a working fallback.
 
 - numba, kernel launches: `packed_launch` packs a kernel's arguments as numba's
