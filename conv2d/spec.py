@@ -126,7 +126,8 @@ class LayerSpec:
     every output that is a function of the sample alone: evaluate (any norm), the training
     forward without batch norm or with layer norm, and the input gradient of those. Batch
     norm's training statistics and the parameter gradients sum over the batch: they stay
-    deterministic, not invariant. Reference backend only for now.
+    deterministic, not invariant. Every backend takes it (docs/design.md says how each
+    gets it).
     `bn_affine=False`: the norm has no gamma and beta (PyTorch's `affine=False`);
     `bn_track_running_stats=False`: batch norm keeps no running statistics and normalises
     with the batch's in evaluation too (PyTorch's `track_running_stats=False`).

@@ -18,7 +18,7 @@ error without the flips of ReLUs whose input is within rounding of 0).
 
 Ours is the CUDA backend on a GPU (TF32 off on both sides, PyTorch's cuDNN deterministic)
 and the reference backend with `--device cpu`. Prints a table (ratio: ours / PyTorch's
-error); `--out DIR` writes DIR/accuracy_cuda.md with the provenance line.
+error); `--out DIR` writes accuracy_cuda.md there with the provenance line.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def network_rows(device: str, networks: str) -> list[tuple[str, float, float]]:
 def network_convolutions(name: str) -> list[tuple[str, LayerSpec]]:
     """(the parameter name of its weight, its spec in float32, no bias) of each
     convolution of the network `name` of scripts/bench_networks.py at its training batch;
-    "bench": the bench shapes (../shared/BENCH.md) at their batch, one convolution each."""
+    "bench": the bench shapes (docs/bench_shapes.md) at their batch, one convolution each."""
     from bench_networks import NETWORKS, network
 
     if name == "bench":

@@ -1,5 +1,5 @@
 """The CUDA backend beside PyTorch on the GPU, in one process: a training step
-(forward(training) + backward_full) on the shapes of shared/BENCH.md, eager and replayed
+(forward(training) + backward_full) on the shapes of docs/bench_shapes.md, eager and replayed
 as a CUDA graph on both sides, plus a batch sweep of rl_small.
 
     python scripts/bench_cuda.py [--shapes a,b] [--dtypes float32,bfloat16] [--iters 20]

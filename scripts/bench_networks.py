@@ -1,4 +1,4 @@
-"""Whole networks, not layers: each network of shared/BENCH.md ("Whole networks") in plain
+"""Whole networks, not layers: each network of docs/bench_shapes.md ("Whole networks") in plain
 PyTorch and with this library's module swapped in (`conv2d.torch.swap`: the same weights),
 side by side in one process, timed in turns.
 

@@ -1,5 +1,5 @@
 """The reference backend beside PyTorch on the CPU: forward(training) and a training step
-(forward + backward_full) on the shapes of shared/BENCH.md, same threads, same dtype.
+(forward + backward_full) on the shapes of docs/bench_shapes.md, same threads, same dtype.
 
     python scripts/bench_reference.py [--shapes a,b] [--dtypes float32,bfloat16] [--repeats 5]
 

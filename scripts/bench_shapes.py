@@ -1,4 +1,4 @@
-"""The benchmark layers of shared/BENCH.md, shared by the benchmark scripts."""
+"""The benchmark layers of docs/bench_shapes.md, shared by the benchmark scripts."""
 
 from __future__ import annotations
 

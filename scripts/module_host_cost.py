@@ -1,6 +1,6 @@
 """Where the PyTorch module's host time goes, per call: the module (`Conv2dNormActivation`)
 beside PyTorch's `Conv2d + BatchNorm2d + ReLU` modules on one benchmark layer
-(shared/BENCH.md), acting (eval, no_grad) and training (forward and backward), then a
+(docs/bench_shapes.md), acting (eval, no_grad) and training (forward and backward), then a
 profile of ours by function (issue 38's "measure where the time goes per call").
 
     python scripts/module_host_cost.py [--device cuda|cpu] [--shape tiny_latency] [--bn]

@@ -82,7 +82,7 @@ def test_files_functions_and_classes_stay_within_their_size_limits():
 
 
 # A cited path: a word with a directory part and a file suffix (docs/benchmarks.md,
-# scripts/bench_cuda.py, ../shared/BENCH.md, kernels/oracle.py).
+# scripts/bench_cuda.py, kernels/oracle.py, or one outside the repository: ../x/NOTES.md).
 CITED = re.compile(r"(?<![\w/.:-])((?:\.\./)*[\w.-]+(?:/[\w.-]+)+\.(?:py|md|sh|toml|npz|png|json|txt))\b")
 
 
@@ -102,8 +102,9 @@ def _resolves(cited, citing):
 
 
 def test_the_scan_finds_cited_paths():
-    text = "see docs/benchmarks.md and `scripts/bench_cuda.py`, tests/golden/*.npz, ../shared/BENCH.md."
-    assert cited_paths(text) == ["docs/benchmarks.md", "scripts/bench_cuda.py", "../shared/BENCH.md"]
+    text = "see docs/benchmarks.md and `scripts/bench_cuda.py`, tests/golden/*.npz, ../outside/NOTES.md."
+    assert cited_paths(text) == ["docs/benchmarks.md", "scripts/bench_cuda.py", "../outside/NOTES.md"]
+    assert not _resolves("../outside/NOTES.md", ROOT / "README.md")
 
 
 def test_every_path_the_readme_the_docs_and_the_code_cite_exists():

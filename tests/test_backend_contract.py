@@ -3,6 +3,7 @@ with its parameter names, order and defaults; the CUDA backend also the prealloc
 extension (conv2d.backend.Preallocating) that conv2d.torch asks for. A third backend reads
 what to provide from the same declaration."""
 
+import importlib
 import inspect
 
 import pytest
@@ -19,12 +20,13 @@ CONTRACT = _declared(backend.Functions)
 
 
 def _backend_class(name):
-    if name == "cuda":
-        pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (the test extra brings it)")
-        from conv2d.cuda.functional import Functions
-    else:
-        from conv2d.reference.functional import Functions
-    return Functions
+    """The functions class backend `name` declares (skipped where its module cannot be
+    imported here: numba-cuda missing)."""
+    module, attr = backend.get(name).functions.split(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        pytest.skip(f"the {name} backend's functions cannot be imported here ({e}; the test extra brings numba-cuda)")
 
 
 def _parameters(function):
@@ -54,3 +56,36 @@ def test_a_backend_provides_each_contract_function_with_its_parameters(name, pro
 def test_the_preallocating_extension_declares_what_conv2d_torch_calls_beyond_the_contract():
     assert {"deferred_frees", "follow", "release", "release_all"} <= set(_declared(backend.Preallocating)) - set(
         CONTRACT)
+
+
+def _members(protocol):
+    """The functions and properties a protocol of conv2d.backend declares itself."""
+    return sorted(name for name, member in vars(protocol).items()
+                  if (callable(member) or isinstance(member, property)) and not name.startswith("_"))
+
+
+CAPABILITY_PROTOCOLS = {"has_stream": backend.Streamed, "captures_graphs": backend.Capturing,
+                        "fills_outputs": backend.Preallocating}
+
+
+@pytest.mark.parametrize("name", backend.backend_names())
+def test_a_backend_provides_the_protocol_of_each_capability_it_declares(name):
+    declared, cls = backend.get(name), _backend_class(name)
+    assert cls.name == declared.name == name
+    for capability, protocol in CAPABILITY_PROTOCOLS.items():
+        if getattr(declared, capability):
+            missing = [m for m in _members(protocol) if not hasattr(cls, m)]
+            assert not missing, f"{name} declares {capability} but lacks {missing}"
+
+
+def test_a_backend_registered_with_a_factory_declares_no_capabilities():
+    backend.register_backend("test_factory_only", lambda spec, **options: None, options=("a",))
+    try:
+        declared = backend.get("test_factory_only")
+        assert declared.options == ("a",) and declared.dtypes == backend.ALL_DTYPES
+        assert not any(getattr(declared, c) for c in [*CAPABILITY_PROTOCOLS, "copies_host_input", "checks_repeats"])
+        assert declared.unavailable() is None
+        with pytest.raises(TypeError, match="takes \\['a'\\]; unknown \\['b'\\]"):
+            declared.make(None, b=1)
+    finally:
+        backend._REGISTRY.pop("test_factory_only")

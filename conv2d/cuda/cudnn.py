@@ -38,10 +38,9 @@ class CudnnError(RuntimeError):
 _IMPORT_LOCK = threading.Lock()
 # cuDNN's engine heuristics by storage dtype, asked in this order (heur_mode names); a
 # plan is a pure function of the graph, the device and these, so the choice is
-# reproducible. Measured on the H200 (with scripts/heuristics_cuda.py, a one-off study
-# since removed; git keeps it and its results in the commits that used it): for float32, mode B's plans made the rl_small / rl_dqn_l1 steps 1.6x / 1.4x faster than
-# mode A's and left the ResNet shapes unchanged; for bfloat16, B was 4-8% slower on
-# tiny_latency and rl_dqn_l1 and equal elsewhere, so 16-bit layers keep A.
+# reproducible. Mode B's float32 plans were the faster ones on the RL shapes and A's the
+# faster for bfloat16 (a one-off study, since removed: git before commit 233f8cb keeps it
+# and its results), so float32 asks B first and 16-bit layers A.
 HEUR_MODES = {DType.FLOAT32: ("B", "FALLBACK"), DType.BFLOAT16: ("A", "FALLBACK"), DType.FLOAT16: ("A", "FALLBACK")}
 _cudnn = None
 

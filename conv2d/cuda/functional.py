@@ -88,9 +88,8 @@ class Functions(OptimizerSteps):
         `depthwise_kernel`: "numba" (a depthwise layer's three convolutions by
         depthwise.py's kernels, no cuDNN; they also run in numba's simulator; with
         kernels="simple" the simple kernels), "cudnn", or "auto" (the default: "numba"
-        for a depthwise layer, whose cuDNN graphs measured 1.7-2.6x the numba kernels'
-        step on the MobileNetV2 shape, "cudnn" for any other); `depthwise_kernel` holds
-        the choice."""
+        for a depthwise layer, whose cuDNN graphs are the slower (docs/bench_cuda.md's
+        depthwise table), "cudnn" for any other); `depthwise_kernel` holds the choice."""
         check_options(spec, allow_tf32, autotune, fast_paths, kernels, launch_config, evaluate_kernel, max_shapes,
                        depthwise_kernel)
         if depthwise_kernel == "auto":

@@ -2,10 +2,9 @@
 launches read them: an address, a shape and a dtype, the owner kept alive.
 
 A prepared launch (`launch.Launch`) and a cuDNN execution (`cudnn_execution.Execution`) need only
-the address. Viewing a torch tensor as numba's own DeviceNDArray (its extents computed
-in Python) took 6.3 us of host time on the H200, this 1.1 us (measured with a probe
-since removed, scripts/probe_module.py in git), and the PyTorch module's step views
-some 25 tensors a step: `ForeignArray` is built instead, and numba's array only where numba
+the address. Viewing a torch tensor as numba's own DeviceNDArray computes its extents
+in Python, several times this view's host time (a one-off probe, since removed: git
+before commit 233f8cb), and the PyTorch module's step views some 25 tensors a step: `ForeignArray` is built instead, and numba's array only where numba
 itself is handed the array (a launch being prepared, or going through numba's
 dispatcher: `as_numba`), or when an attribute only numba's array has is asked for
 (`copy_to_host`, `__cuda_array_interface__`, ...), which is then looked up on it.

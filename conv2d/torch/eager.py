@@ -9,10 +9,8 @@ return tensors only, with a permute node in the graph for x and for the weight a
 dicts of detached parameters every call (so the backend's per-dict view cache never
 hits). `EagerConv2d` reads the module's parameters through one cached dict of detached
 NHWC views (`ParameterViews`), and permutes x, the weight and their gradients itself.
-Python on autograd's device thread costs more than on the calling thread (on the H200's
-virtual machine the backend's backward took 125 us of host time on the calling thread
-and about 240 on autograd's, tiny_latency bn float32, measured with a probe since
-removed: scripts/probe_module.py in git), so the
+Python on autograd's device thread costs more than on the calling thread (about twice,
+in a one-off probe since removed: git before commit 233f8cb), so the
 backward does little besides the backend's call. With the module's `cuda_graphs`, the
 node allocates the call's outputs and saved values itself and hands the backend call to
 `Call.graphs` (conv2d.torch.graphs), which replays a captured graph of it when every

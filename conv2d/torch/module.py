@@ -144,8 +144,7 @@ class Conv2dNormActivation(nn.Module):
     `backend_options`: a dict of the CUDA backend's options (e.g. {"allow_tf32": True};
     `conv2d.backend.get("cuda").options` lists them), checked here; CPU tensors run on the
     reference backend, which has none. `batch_invariant`: LayerSpec's (a sample's results
-    bitwise the same whatever batch it is in; CPU tensors only for now: the CUDA backend
-    refuses it with NotImplementedError at the first call).
+    bitwise the same whatever batch it is in, on either device).
 
     `nn.Conv2d`'s and `nn.BatchNorm2d`'s other arguments are taken by name and run on both
     devices: `momentum=None` (the cumulative average; the batch's statistics go through
