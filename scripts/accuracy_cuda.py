@@ -26,20 +26,18 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import SHAPES, bench_spec, provenance  # noqa: E402
+from bench_shapes import SHAPES, bench_spec, provenance
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from conv2d import Conv2d, LayerSpec  # noqa: E402
-from conv2d.arrays import to_host  # noqa: E402
-from conv2d.torch_layout import weights_from_torch, weights_to_torch  # noqa: E402
+from conv2d import Conv2d, LayerSpec
+from conv2d.arrays import to_host
+from conv2d.torch_layout import weights_from_torch, weights_to_torch
 
 
 def error(got, exact, scale: float = 0.0) -> float:

@@ -42,14 +42,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cuda_runs import (MODULE_RUNS, acting_ours, acting_pytorch, invariance_ours,  # noqa: E402
+from bench_cuda_runs import (MODULE_RUNS, acting_ours, acting_pytorch, invariance_ours,
                              invariance_pytorch, module_vs_torch, optim_ours, optim_pytorch, ours, pytorch,
                              roofline_ms, second_batch)
-from bench_shapes import SHAPES, bench_spec, cases, inputs, provenance  # noqa: E402
+from bench_shapes import SHAPES, bench_spec, cases, inputs, provenance
 
 def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

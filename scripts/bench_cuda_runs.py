@@ -6,14 +6,11 @@ the script's docstring's."""
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import flops  # noqa: E402
+from bench_shapes import flops
 
 PEAK_FLOPS = {"float32": 67e12, "float16": 790e12, "bfloat16": 790e12}
 PEAK_BYTES = 4.3e12

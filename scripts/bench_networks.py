@@ -43,13 +43,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cuda_runs import torch_graph  # noqa: E402  (PyTorch's capture recipe)
-from bench_shapes import provenance  # noqa: E402
-import rl_loop  # noqa: E402
+from bench_cuda_runs import torch_graph  # PyTorch's capture recipe
+from bench_shapes import provenance
+import rl_loop
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
 # name -> (input (C, H, W), training batch, outputs)
 NETWORKS = {"nature_dqn": ((4, 84, 84), 32, 6), "impala_cnn": ((3, 64, 64), 256, 15),

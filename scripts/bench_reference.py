@@ -11,16 +11,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import provenance, SHAPES, cases  # noqa: E402
+from bench_shapes import provenance, SHAPES, cases
 
-from conv2d import Conv2d  # noqa: E402
+from conv2d import Conv2d
 
 
 def median_ms(fn, repeats: int, warmup: int = 2) -> float:

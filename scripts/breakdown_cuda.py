@@ -27,14 +27,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import bench_spec, inputs  # noqa: E402
+from bench_shapes import bench_spec, inputs
 
 # Values of (M, C) each row pass reads and writes: z, plus d_y, plus y or d_z.
 ROW_TRAFFIC = {"batch_norm_statistics": 1, "normalise_and_activate": 2, "norm_gradients": 2, "grad_pre_activations": 3}

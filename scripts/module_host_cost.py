@@ -24,14 +24,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import SHAPES, bench_spec, per_call_us, provenance  # noqa: E402
+from bench_shapes import SHAPES, bench_spec, per_call_us, provenance
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

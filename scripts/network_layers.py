@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_networks import NETWORKS, models  # noqa: E402
-from bench_shapes import per_call_us, provenance  # noqa: E402
+from bench_networks import NETWORKS, models
+from bench_shapes import per_call_us, provenance
 
-import torch  # noqa: E402
+import torch
 
 PRECISIONS = {"strict": torch.float32, "default": torch.float32, "bfloat16": torch.bfloat16}
 COLUMNS = ("train forward", "train backward", "act")

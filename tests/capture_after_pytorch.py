@@ -7,7 +7,7 @@ swapped in; then the two graphs are replayed in turns, as the benchmark times th
 capture and replays of ours alone did not). The module's captured steps must give the
 parameters and running statistics of the same steps run eagerly.
 
-    python tests/capture_after_pytorch.py PRECISION BATCH [ORDER]
+    PYTHONPATH=scripts python tests/capture_after_pytorch.py PRECISION BATCH [ORDER]
         PRECISION: strict or tf32; ORDER: "pytorch-then-ours" (default), "ours" (ours alone) or
         "pytorch" (PyTorch's alone, replayed as often as in "pytorch-then-ours": whether its
         own captured network runs)
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -30,8 +29,7 @@ from torch import nn
 from conv2d.torch import swap
 
 # scripts/bench_networks.py's capture: PyTorch's recipe (three warm-up steps on a side stream).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from bench_cuda_runs import torch_graph  # noqa: E402
+from bench_cuda_runs import torch_graph
 
 WIDTHS = [(3, 64, 1), (64, 64, 1), (64, 128, 2), (128, 128, 1)]  # (in, out, stride)
 REPLAYS = 5

@@ -6,8 +6,6 @@ norm or with layer norm, and the input gradient of those. Both backends: the ref
 numba's simulator with the host stand-in for cuDNN (CI)."""
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -120,7 +118,6 @@ def test_the_cuda_kernels_keep_each_samples_bits_in_the_simulator(norm, training
 def test_the_bench_shapes_give_each_sample_the_bits_it_gets_alone_on_the_gpu(shape, dtype):
     """scripts/bench_shapes.py's layers at their planned batch (tiny_latency's 1: at 33):
     evaluate with batch norm, and the training forward and d_x without a norm."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
     from bench_shapes import bench_spec
 
     for bn in (True, False):

@@ -6,8 +6,6 @@ with same_decisions: the arithmetic's error, not the luck of ReLUs flipped by ro
 0), TF32 off on both sides. Accuracy is not timing: it is asserted."""
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +14,6 @@ from conftest import HAVE_GPU, NO_GPU_REASON
 pytestmark = pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
 torch = pytest.importorskip("torch", reason="torch is not installed (the test extra brings it)")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 MARGIN = 1.1  # ours at most PyTorch's error times this
 

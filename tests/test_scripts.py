@@ -70,10 +70,12 @@ def test_the_network_layers_script_times_each_swapped_layer_of_the_digits_cnn_on
 def test_the_module_host_cost_script_times_both_rows_and_profiles_ours_on_the_cpu():
     pytest.importorskip("torch")
     out = run_script(ROOT / "scripts" / "module_host_cost.py", "--device", "cpu", "--bn", "--calls", "20", "--top",
-                     "5", timeout=300).stdout
+                     "30", timeout=300).stdout
     assert "| act |" in out and "| train |" in out
     assert "Ours, act: own time per call by function" in out and "Ours, train: own time per call by function" in out
-    assert "torch/module.py:forward" in out  # the module's own forward is among the profiled functions
+    # the module's own forward is among the profiled functions (the 30 largest: the ranking
+    # of the small ones moves from run to run)
+    assert "torch/module.py:forward" in out
     assert "| row | module alone us | empty node us | PyTorch us |" in out  # stubbed backend, empty node
 
 
@@ -91,7 +93,6 @@ def test_a_network_comparison_that_fails_says_whose_side_failed(monkeypatch):
     """A CUDA error is reported at the next synchronisation, whoever caused it: each side's
     warm-up ends with one, so that a failure is PyTorch's or ours, not the row's."""
     torch = pytest.importorskip("torch")
-    sys.path.insert(0, str(ROOT / "scripts"))
     import bench_networks
 
     class Broken(torch.nn.Module):
@@ -111,7 +112,6 @@ def test_a_network_comparison_that_fails_in_its_timed_runs_says_whose_runs_faile
     """The sides take turns in the timed rounds, each ending with a synchronisation: an
     error there is the side's whose runs raised (here ours, after its warm-up passed)."""
     torch = pytest.importorskip("torch")
-    sys.path.insert(0, str(ROOT / "scripts"))
     import bench_networks
 
     theirs, ours = bench_networks.models("digits_cnn", "cpu", torch.float32)
@@ -136,7 +136,6 @@ def test_after_a_cuda_error_the_networks_benchmark_runs_each_later_row_in_a_proc
     """A CUDA error leaves the process's context unusable: the failing row says so, and
     the rows after it run in processes of their own (run_alone), not in the poisoned one."""
     pytest.importorskip("torch")
-    sys.path.insert(0, str(ROOT / "scripts"))
     import bench_networks
 
     class AcceleratorError(RuntimeError):  # torch's class name for CUDA errors
@@ -166,7 +165,6 @@ def test_a_row_run_alone_reports_what_its_process_measured_or_how_it_ended():
     """bench_networks.py --one (what run_alone starts): one comparison's times as JSON; a
     process that ends without them is a failed cell with its exit status."""
     pytest.importorskip("torch")
-    sys.path.insert(0, str(ROOT / "scripts"))
     import bench_networks
 
     args = bench_networks.argparse.Namespace(device="cpu", rounds=1, iters=1, loop_warmup=10, loop_steps=5,
@@ -201,7 +199,6 @@ def test_with_its_own_relu_decisions_float32_is_rounding_away_from_float64():
     takes that side's ReLU decisions, so that the error is the arithmetic's alone (plain
     float64 flips ReLUs whose input is within rounding of 0: whole terms of a gradient)."""
     pytest.importorskip("torch")
-    sys.path.insert(0, str(ROOT / "scripts"))
     from accuracy_cuda import network_errors
 
     errors = network_errors("nature_dqn", "float32", "cpu", same_decisions=True)
@@ -212,7 +209,6 @@ def test_with_its_own_relu_decisions_float32_is_rounding_away_from_float64():
 
 def test_a_decided_relu_passes_the_gradient_where_its_mask_says_not_where_x_is_positive():
     torch = pytest.importorskip("torch")
-    sys.path.insert(0, str(ROOT / "scripts"))
     from accuracy_cuda import DecidedReLU
 
     x = torch.tensor([-1e-9, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
@@ -281,7 +277,6 @@ def test_the_networks_benchmarks_captured_steps_keep_their_model_and_optimizer_a
     if not HAVE_GPU:
         pytest.skip(NO_GPU_REASON)
     torch = pytest.importorskip("torch")
-    sys.path.insert(0, str(ROOT / "scripts"))
     import bench_networks
 
     model = bench_networks.network("digits_cnn").to("cuda", memory_format=torch.channels_last)

@@ -227,11 +227,15 @@ def test_a_network_of_modules_captured_in_a_torch_cuda_graph_replays_like_eager(
     pytest.importorskip("torch", reason="torch is not installed")
     import subprocess
     import sys
+    import os
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
+    # The scenario imports scripts/bench_cuda_runs.py by name, as pytest's pythonpath lets the tests.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent / "scripts"),
+                                                        os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(here / "capture_after_pytorch.py"), precision, "128", order],
-                          capture_output=True, text=True, timeout=300, cwd=here.parent)
+                          capture_output=True, text=True, timeout=300, cwd=here.parent, env=env)
     if done.returncode == 3:
         pytest.skip(f"PyTorch's own CIFAR-style network fails in torch.cuda.graph here: {done.stdout.strip()}")
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), (done.stdout[-1000:], done.stderr[-3000:])

@@ -1,8 +1,9 @@
-"""The module's eager path: one `torch.autograd.Function` straight over a backend's
+"""The module's eager path (`run`): one `torch.autograd.Function` straight over a backend's
 `Functions`, or, for a call that wants no gradient (under `torch.no_grad`, or nothing
 requiring one: acting, a target network), no autograd node: on the GPU in eval (or
 without batch norm) the backend's `evaluate` into one new tensor (`evaluate_call`), else
-its forward alone (`forward_call`), the same launches as the autograd node's.
+its forward alone (`forward_call`), the same launches as the autograd node's. The call
+graphs (conv2d.torch.graphs) wrap each route's backend call, never a route of their own.
 
 `conv2d.torch.ops` is what `torch.compile` sees: two opaque operators that take and
 return tensors only, with a permute node in the graph for x and for the weight and fresh
@@ -43,7 +44,8 @@ class Call(NamedTuple):
     objects while the tensors are), training, whether x is NCHW-shaped (channels_last
     memory) rather than NHWC, whether the norm uses the batch's statistics, and for CUDA
     graph replays the functions' `CallGraphs` (None: always launch) with the addresses of
-    the parameters and running statistics (part of every call's key)."""
+    the parameters and running statistics (part of every call's key), and whether a call
+    without a gradient runs the backend's `evaluate` (`run`)."""
 
     fn: Any
     params: dict
@@ -53,6 +55,7 @@ class Call(NamedTuple):
     batch_stats: bool = False
     graphs: Optional[CallGraphs] = None
     ptrs: tuple = ()
+    evaluates: bool = False  # without a gradient, the backend's evaluate (no statistics to update, a GPU)
 
 
 def parameter_dicts(weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor],
@@ -147,6 +150,22 @@ class EagerConv2d(torch.autograd.Function):
             # DDP's gradient buckets expect (no copy: the same memory order).
             d_w = d_w.as_strided(weight.size(), weight.stride())
         return d_x, d_w, grads.get("bias"), grads.get("gamma"), grads.get("beta"), None, None, None
+
+
+def run(x: Tensor, params: tuple, running_mean: Optional[Tensor], running_var: Optional[Tensor],
+        call: Call) -> Tensor:
+    """The module's eager road, one route a kind of call: with a gradient wanted, the
+    autograd node (`EagerConv2d`); without one (`torch.no_grad`, or nothing requires
+    one: acting, a target network), no node: the backend's evaluate into one new tensor
+    where `call.evaluates` (`evaluate_call`), else its forward alone (`forward_call`, the
+    node's launches). Either route replays its call graph where `call.graphs` has one
+    for the call's addresses. y (N, OH, OW, OC)."""
+    weight, bias, gamma, beta = params
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params)):
+        return EagerConv2d.apply(x, weight, bias, gamma, beta, running_mean, running_var, call)
+    if call.evaluates:
+        return evaluate_call(x, call)
+    return forward_call(x, call)[0]
 
 
 def forward_call(x: Tensor, call: Call) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:

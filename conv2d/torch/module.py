@@ -381,6 +381,30 @@ class Conv2dNormActivation(nn.Module):
             want = f"(N, {c}, H, W)" if layout == "NCHW" else f"(N, H, W, {c})"
             raise ValueError(f"x: expected a {layout} tensor of shape {want} ({c} input channels), got {describe(x)}")
 
+    def _eager_call(self, x: torch.Tensor, params: tuple, running_mean: Optional[torch.Tensor],
+                    running_var: Optional[torch.Tensor], training: bool, nchw: bool) -> tuple[eager.Call, tuple]:
+        """The one place an eager call's tensors become the backend's arguments: its
+        functions (and call graphs) for x's device and dtype, the cached NHWC views of the
+        parameters and running statistics, and the call's flags; with the parameters
+        autograd differentiates (the weight's channels_last copy where it is in another
+        memory format)."""
+        fn, graphs = self._functions_for(x, self._choice(x))
+        weight, bias, gamma, beta = params
+        if weight.is_contiguous(memory_format=torch.channels_last):
+            views, running, ptrs = self._views.get(weight, bias, gamma, beta, running_mean, running_var)
+        else:
+            # A weight in another memory format: its channels_last copy (one differentiable
+            # copy a call), viewed for this call alone (not cached), never replayed.
+            weight = weight.contiguous(memory_format=torch.channels_last)
+            views, running = eager.parameter_dicts(weight, bias, gamma, beta, running_mean, running_var)
+            graphs = ptrs = None
+        if graphs is not None and (not self.cuda_graphs or torch.cuda.is_current_stream_capturing()):
+            graphs = None  # in a capture of the caller's, the launches go into it (calls.call_context)
+        updates = training and self._spec.normalization is Normalization.BATCH_NORM
+        call = eager.Call(fn, views, running, training, nchw, self._spec.batch_statistics(training), graphs,
+                          ptrs if graphs is not None else (), evaluates=x.is_cuda and not updates)
+        return call, (weight, bias, gamma, beta)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.jit.is_tracing():
             raise TypeError("torch.jit.trace: Conv2dNormActivation's calls are not traceable into TorchScript; "
@@ -415,28 +439,8 @@ class Conv2dNormActivation(nn.Module):
             kept = running_mean, running_var
             running_mean, running_var = norm.batch_buffers()
         if type(x) is torch.Tensor and type(weight) in _PLAIN and not torch.compiler.is_compiling():
-            fn, graphs = self._functions_for(x, self._choice(x))
-            if weight.is_contiguous(memory_format=torch.channels_last):
-                params, running, ptrs = self._views.get(weight, bias, gamma, beta, running_mean, running_var)
-            else:
-                # A weight in another memory format: its channels_last copy (one
-                # differentiable copy a call), viewed for this call alone (not cached).
-                weight = weight.contiguous(memory_format=torch.channels_last)
-                params, running = eager.parameter_dicts(weight, bias, gamma, beta, running_mean, running_var)
-                graphs = None
-            if graphs is not None and (not self.cuda_graphs or torch.cuda.is_current_stream_capturing()):
-                graphs = None  # in a capture of the caller's, the launches go into it (calls.call_context)
-            call = eager.Call(fn, params, running, training, nchw, self._spec.batch_statistics(training), graphs,
-                              ptrs if graphs is not None else ())
-            if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                               for t in (x, weight, bias, gamma, beta)):
-                y = eager.EagerConv2d.apply(x, weight, bias, gamma, beta, running_mean, running_var, call)
-            elif x.is_cuda and not (training and self._spec.normalization is Normalization.BATCH_NORM):
-                # No gradient wanted and no statistics to update (acting, targets): the
-                # backend's evaluate, no autograd node and no saved values.
-                y = eager.evaluate_call(x, call)
-            else:  # no gradient wanted, batch norm training: the forward, without an autograd node
-                y = eager.forward_call(x, call)[0]
+            call, params = self._eager_call(x, (weight, bias, gamma, beta), running_mean, running_var, training, nchw)
+            y = eager.run(x, params, running_mean, running_var, call)
         else:
             # torch.compile and tensor subclasses: the registered ops. x and the weight go in
             # in the caller's layout (channels_last memory) and the ops view them as NHWC:
