@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -53,6 +55,16 @@ def check_numpy(name: str, a: Any, shape: tuple[int, ...], dtype: np.dtype) -> n
         raise ValueError(f"{name}: expected a C-contiguous array, got one with strides {a.strides} "
                          f"(use numpy.ascontiguousarray)")
     return a
+
+
+def warn_non_finite(name: str, a: np.ndarray) -> None:
+    """A RuntimeWarning where `a` holds NaN or infinite values: state a diverged run left
+    (one NaN batch makes the running statistics NaN) is saved and loaded as it is, so
+    that it can be inspected, with a word that it is there."""
+    finite = np.isfinite(a.astype(np.float64, copy=False))
+    if not finite.all():
+        warnings.warn(f"{name}: {int(finite.size - finite.sum())} NaN or infinite entries (a diverged run?), kept "
+                      f"as they are", RuntimeWarning, stacklevel=3)
 
 
 def check_finite(name: str, a: np.ndarray) -> None:

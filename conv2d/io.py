@@ -14,8 +14,9 @@ File format (version 2), a NumPy .npz archive (zip) with:
 `load` reads the zip directory and the header first and checks everything it can
 before inflating any array (member names, declared sizes against the arrays' shapes, so
 a zip bomb is refused unread); any damage, foreign or tampered content raises
-`ValueError` and no layer changes. `save` refuses state with NaN or infinite values (a
-NaN batch makes the running statistics NaN): what it writes, `load` reads.
+`ValueError` and no layer changes. State with NaN or infinite values (one NaN batch
+makes the running statistics NaN) is saved and loaded as it is, with a RuntimeWarning,
+so that a diverged run can be inspected: what `save` writes, `load` reads.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from conv2d.files import atomic_write, readable_file, writable_target
 from conv2d.layer import Conv2d, layer_locks
 from conv2d.sequential import Sequential
 from conv2d.spec import CALL_FIELDS, DType, LayerSpec
-from conv2d.checks import check_finite
+from conv2d.checks import warn_non_finite
 from conv2d.state import state_layout
 
 FORMAT = "conv2d"
@@ -74,8 +75,8 @@ def save(layer: Conv2d | Sequential, path: str | os.PathLike) -> None:
     the same directory, synced, then renamed over the target (through a symbolic link,
     the file it names); the file's mode is what `open` would give it (conv2d.files). An existing
     target that is not a regular file (a device, FIFO, directory) is refused. State with
-    NaN or infinite values is refused (ValueError naming the array), as `load` would
-    refuse it. The layers' locks are held while the state is read, so an optimizer step
+    NaN or infinite values is written as it is, with a RuntimeWarning naming the array
+    (a diverged run, kept for inspection). The layers' locks are held while the state is read, so an optimizer step
     in another thread is saved whole or not at all."""
     if isinstance(layer, Sequential):
         described = {"format": SEQUENTIAL_FORMAT, "specs": [item.spec.to_dict() for item in layer]}
@@ -88,7 +89,7 @@ def save(layer: Conv2d | Sequential, path: str | os.PathLike) -> None:
     with layer_locks(layer):  # one version of every layer's weights, not an optimizer step's half
         state = layer.state_dict()
     for k, v in state.items():
-        check_finite(f"save: state[{k!r}]", v)
+        warn_non_finite(f"save: state[{k!r}]", v)
     writable_target("save: path", path)  # before the work of packing the arrays
     header = {**described, "version": VERSION,
               "arrays": {k: {"dtype": _dtype_name(v.dtype), "shape": list(v.shape), "sha256": _digest(v)}

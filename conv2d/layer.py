@@ -207,12 +207,13 @@ class Conv2d:
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Replace the state. Every key, shape and dtype must match `state_dict()`'s exactly
-        and every value be finite (running_var >= 0); checked whole before anything changes."""
-        self._write_state(check_arrays("state", state, state_layout(self.spec), finite=True))
+        (running_var >= 0); checked whole before anything changes. NaN and infinite values
+        (a diverged run's) are loaded as they are, with a RuntimeWarning."""
+        self._write_state(check_arrays("state", state, state_layout(self.spec), warn_non_finite=True))
 
     def load_grad_dict(self, grads: dict[str, np.ndarray]) -> None:
         """Replace the accumulated gradients (checked as `load_state_dict` checks, NaN allowed)."""
-        grads = check_arrays("grads", grads, grad_layout(self.spec), finite=False)
+        grads = check_arrays("grads", grads, grad_layout(self.spec), warn_non_finite=False)
         with self._lock:
             self._fn.write(self._grads, grads)
 

@@ -339,7 +339,7 @@ def parse(snap: dict[str, Any], spec: LayerSpec, weight_layout: str | None = Non
             state[name] = snap["arrays"][name].astype(layout[name][1])
     if grads and set(grads) != set(glayout):
         raise ValueError(f"{where}: gradients for {sorted(grads)} only; expected all of {sorted(glayout)} or none")
-    return check_arrays("state", state, layout, finite=True), grads, adam
+    return check_arrays("state", state, layout, warn_non_finite=True), grads, adam
 
 
 def _check_load_arguments(into: Conv2d, weight_layout: str | None, optimizer: Any) -> int | None:

@@ -13,7 +13,7 @@ import numpy as np
 
 from conv2d import backend as backends
 from conv2d.layer import Conv2d, check_step_optimizer, layer_locks, restoring, step_snapshot, training_step
-from conv2d.spec import LayerSpec
+from conv2d.spec import LayerSpec, Normalization
 
 
 class Sequential:
@@ -34,6 +34,13 @@ class Sequential:
         if not layers or not all(isinstance(layer, Conv2d) for layer in layers):
             raise TypeError(f"layers: expected a non-empty list of Conv2d, got "
                             f"{[type(layer).__name__ for layer in layers]}")
+        first_at: dict[int, int] = {}
+        for i, layer in enumerate(layers):
+            j = first_at.setdefault(id(layer), i)
+            if j != i:
+                raise ValueError(f"layers[{i}]: the same Conv2d object as layers[{j}]; a layer keeps one forward's "
+                                 f"saved values and one set of gradients, so a stack needs a layer object for each "
+                                 f"position (Conv2d.to or a new Conv2d with its state_dict makes a copy)")
         for i in range(1, len(layers)):
             a, b = layers[i - 1].spec, layers[i].spec
             if a.out_channels != b.in_channels:
@@ -75,11 +82,13 @@ class Sequential:
     def backend(self) -> str:
         return self.layers[0].backend
 
-    def call_specs(self, x: Any) -> list[LayerSpec]:
+    def call_specs(self, x: Any, training: bool = False) -> list[LayerSpec]:
         """Each layer's spec for a call on input `x`, checked through the whole stack (x's
         shape, dtype and layout for the first layer; for each further one, that the shape
-        the one before gives fits its kernel) before any layer runs: a stack that would
-        fail at layer 3 fails here, with layers 0-2's running statistics unchanged."""
+        the one before gives fits its kernel, and for a training forward that its batch
+        norm's running-variance rule takes the values a channel gets) before any layer
+        runs: a stack that would fail at layer 3 fails here, with layers 0-2's running
+        statistics unchanged."""
         call = self.layers[0].functions.check_input("x", x)
         calls = [call]
         for i, layer in enumerate(self.layers[1:], 1):
@@ -90,6 +99,14 @@ class Sequential:
                 raise ValueError(f"x: layers[{i}] cannot take the (N, H, W, C) = {(n, h, w, call.out_channels)} "
                                  f"that layers[{i - 1}] gives for x of shape {tuple(x.shape)}: {e}") from e
             calls.append(call)
+        if training:
+            for i, call in enumerate(calls):
+                if call.normalization is Normalization.BATCH_NORM and call.bn_track_running_stats:
+                    n, oh, ow, _ = call.output_shape
+                    try:
+                        call.running_var_scale(n * oh * ow)
+                    except ValueError as e:
+                        raise ValueError(f"x: layers[{i}] (for x of shape {tuple(x.shape)}): {e}") from e
         return calls
 
     def evaluate(self, x: Any) -> Any:
@@ -104,7 +121,7 @@ class Sequential:
     def forward(self, x: Any, training: bool = True) -> Any:
         """Through every layer, keeping what backward needs. The input is checked against
         the whole stack first (`call_specs`): a refused x changes no layer."""
-        self.call_specs(x)
+        self.call_specs(x, training)
         inputs = []
         with layer_locks(self):
             for layer in self.layers:
@@ -116,8 +133,12 @@ class Sequential:
     def _backward(self, x: Any, d_y: Any, want_input: bool) -> Any:
         if self._inputs is None:
             raise RuntimeError("backward: no forward pass to differentiate; call forward(x) first")
-        if x is not self._inputs[0]:
-            self.layers[0]._last_forward(x, check_x=True)  # the first layer says what is wrong with x
+        # Every check before any layer accumulates: x is the last forward's input,
+        # unchanged since (the first layer says what is wrong with it), and no layer's
+        # parameters changed after its forward.
+        self.layers[0]._last_forward(x, check_x=True)
+        for layer in self.layers[1:]:
+            layer._last_forward()
         d = d_y
         for i in range(len(self.layers) - 1, 0, -1):
             d = self.layers[i].backward_full(self._inputs[i], d)
@@ -184,10 +205,15 @@ class Sequential:
             layer.init_weights(rng)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {f"{i}.{k}": v for i, layer in enumerate(self.layers) for k, v in layer.state_dict().items()}
+        """Every layer's state, keyed "<index>.<name>", read under every layer's lock: an
+        optimizer step in another thread is in all of it or in none."""
+        with layer_locks(self):
+            return {f"{i}.{k}": v for i, layer in enumerate(self.layers) for k, v in layer.state_dict().items()}
 
     def grad_dict(self) -> dict[str, np.ndarray]:
-        return {f"{i}.{k}": v for i, layer in enumerate(self.layers) for k, v in layer.grad_dict().items()}
+        """Every layer's accumulated gradients, keyed as `state_dict`, under every layer's lock."""
+        with layer_locks(self):
+            return {f"{i}.{k}": v for i, layer in enumerate(self.layers) for k, v in layer.grad_dict().items()}
 
     def _split(self, what: str, arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         if not isinstance(arrays, dict):
@@ -206,7 +232,7 @@ class Sequential:
         parts = self._split(what, arrays)
         layout = grad_layout if grads else state_layout
         for i, (layer, part) in enumerate(zip(self.layers, parts)):
-            check_arrays(f"{what}[layer {i}]", part, layout(layer.spec), finite=not grads)
+            check_arrays(f"{what}[layer {i}]", part, layout(layer.spec), warn_non_finite=False)
         for layer, part in zip(self.layers, parts):
             (layer.load_grad_dict if grads else layer.load_state_dict)(part)
 

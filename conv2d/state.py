@@ -6,7 +6,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from conv2d.checks import check_finite, check_plain_array, check_shape_dtype, describe
+from conv2d.checks import check_plain_array, check_shape_dtype, describe
+from conv2d.checks import warn_non_finite as warn_of_non_finite
 from conv2d.dtypes import compute_dtype, storage_dtype
 from conv2d.spec import LayerSpec, Normalization
 
@@ -35,7 +36,9 @@ def state_layout(spec: LayerSpec) -> dict[str, tuple[tuple[int, ...], np.dtype]]
     return layout
 
 
-# The running state: batch norm's statistics, and the batch count of the cumulative average.
+# The running state: batch norm's statistics, and the batch count of the cumulative average,
+# which saturates at MAX_BATCHES (the int64 maximum) instead of wrapping.
+MAX_BATCHES = 2 ** 63 - 1
 RUNNING_STATISTICS = ("running_mean", "running_var")
 RUNNING = RUNNING_STATISTICS + ("num_batches_tracked",)
 
@@ -61,8 +64,10 @@ def initial_state(spec: LayerSpec) -> dict[str, np.ndarray]:
 
 
 def check_arrays(what: str, arrays: Any, layout: Mapping[str, tuple[tuple[int, ...], np.dtype]],
-                 finite: bool) -> dict[str, np.ndarray]:
-    """Validate a whole dict against `layout` (keys, shapes, dtypes, finiteness) before any use."""
+                 warn_non_finite: bool) -> dict[str, np.ndarray]:
+    """Validate a whole dict against `layout` (keys, shapes, dtypes, a running variance
+    >= 0 and a batch count >= 0) before any use. NaN and infinite values are kept (a
+    diverged run's state), with a RuntimeWarning where `warn_non_finite`."""
     if not isinstance(arrays, Mapping):
         raise TypeError(f"{what}: expected a dict of arrays, got {describe(arrays)}")
     # Keys of any type (1, (2,)) are named by repr: they cannot be sorted together.
@@ -78,8 +83,8 @@ def check_arrays(what: str, arrays: Any, layout: Mapping[str, tuple[tuple[int, .
         if not a.flags.c_contiguous:
             raise ValueError(f"{what}[{name!r}]: expected a C-contiguous array, got strides {a.strides} "
                              f"(use numpy.ascontiguousarray)")
-        if finite:
-            check_finite(f"{what}[{name!r}]", a)
+        if warn_non_finite:
+            warn_of_non_finite(f"{what}[{name!r}]", a)
         out[name] = a
     if "running_var" in out and (out["running_var"] < 0).any():
         raise ValueError(f"{what}['running_var']: expected values >= 0, got min {out['running_var'].min()}")

@@ -32,7 +32,7 @@ from conv2d.checks import check_numpy, check_shape_dtype, input_spec
 from conv2d.dtypes import compute_dtype, storage_dtype
 from conv2d.reference import conv, norm, optim
 from conv2d.spec import CALL_FIELDS, LayerSpec, Normalization
-from conv2d.state import RUNNING, grad_layout, state_layout
+from conv2d.state import MAX_BATCHES, RUNNING, grad_layout, state_layout
 
 
 @dataclass(frozen=True, eq=False)
@@ -199,8 +199,10 @@ def _statistics(spec: LayerSpec, z: np.ndarray, training: bool,
             scaled = var * var.dtype.type(spec.running_var_scale(count))
             momentum = spec.bn_momentum
             if momentum is None:  # the cumulative average, as PyTorch's momentum=None
-                running["num_batches_tracked"][...] += 1
-                momentum = 1.0 / float(running["num_batches_tracked"])
+                counted = running["num_batches_tracked"]
+                if counted < MAX_BATCHES:  # saturates: a wrap would make the count negative
+                    counted[...] += 1
+                momentum = 1.0 / float(counted)
             for k, stat in (("running_mean", mean), ("running_var", scaled)):
                 running[k][...] = norm.update_running(running[k], stat, momentum)
         return mean, norm.inverse_std(var, spec.bn_epsilon), True

@@ -28,6 +28,7 @@ from conv2d.cuda.kernels.activation import activation_functions
 from conv2d.cuda.kernels.bits import storage_io
 from conv2d.cuda.runtime import numba_cuda
 from conv2d.cuda.views import as_numba
+from conv2d.state import MAX_BATCHES
 
 cuda = numba_cuda()
 f32 = np.float32
@@ -80,8 +81,9 @@ def _members(g, C, S, layer, total):
 def count_batch(batches):
     """batches[0] += 1: a training batch counted for the cumulative average
     (bn_momentum=None; PyTorch's num_batches_tracked), before the running statistics move
-    1/batches[0] of the way. One thread."""
-    if cuda.grid(1) == 0:
+    1/batches[0] of the way; at the int64 maximum it stays there (saturates: a wrap would
+    make the count negative, as the reference's `_statistics` does not). One thread."""
+    if cuda.grid(1) == 0 and batches[0] < MAX_BATCHES:
         batches[0] += 1
 
 
