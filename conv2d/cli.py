@@ -19,7 +19,22 @@ DEFAULTS = {"digits": dict(lr=3e-3, target=0.98, steps=None),
             "fit": dict(lr=0.5, target=None, steps=300)}
 
 
+# Upper bounds of the demos' counts (a usage error past them, before any work): far above
+# what a run takes, below what the loops and the layers' specs can hold.
+MAX_COUNT = 2 ** 31 - 1
+MAX_BATCH = 2 ** 16
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; Ctrl-C ends it with one line and exit status 130, as a shell's."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("conv2d: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="conv2d", description="conv2d command line")
     parser.add_argument("--version", action="version", version=f"conv2d {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,11 +98,18 @@ def _check_demo_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         if getattr(args, k) is None:
             setattr(args, k, v)
     for name in ("steps", "epochs", "batch_size", "seeds"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')}: expected an int >= 1, got {value}")
+        value, most = getattr(args, name), MAX_BATCH if name == "batch_size" else MAX_COUNT
+        if value is not None and not 1 <= value <= most:
+            parser.error(f"--{name.replace('_', '-')}: expected an int in [1, {most}], got {value}")
+    if args.seed < 0:
+        parser.error(f"--seed: expected an int >= 0, got {args.seed}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         parser.error(f"--lr: expected a finite number > 0, got {args.lr}")
+    import numpy as np
+
+    if not np.isfinite(np.float32(args.lr)) or np.float32(args.lr) == 0:
+        parser.error(f"--lr: expected a number the optimizer's float32 arithmetic holds (finite and nonzero "
+                     f"there), got {args.lr}")
     if args.target is not None and not math.isfinite(args.target):
         parser.error(f"--target: expected a finite number, got {args.target}")
     if args.plot is not None:
@@ -102,6 +124,13 @@ def _check_demo_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         directory = target.parent if str(target.parent) else "."
         if not os.access(directory, os.W_OK | os.X_OK):
             parser.error(f"--plot: the directory {str(directory)!r} is not writable")
+        import tempfile
+
+        try:  # access() says yes for root in /proc and /sys, where no file can be made
+            with tempfile.NamedTemporaryFile(dir=directory, prefix=".conv2d-plot-check."):
+                pass
+        except OSError as e:
+            parser.error(f"--plot: no file can be written in {str(directory)!r} ({e.strerror or e})")
 
 
 if __name__ == "__main__":

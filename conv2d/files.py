@@ -47,23 +47,42 @@ def writable_target(where: str, path: str | os.PathLike) -> Path:
     return target
 
 
+def _writer_gone(tmp: Path, name: str) -> bool:
+    """Whether the save that made `tmp` (`.<name>.<pid>.<random>.tmp`) was a process of
+    this machine that no longer runs. False where the name carries no process id (an
+    older save's) or the process (or another that took its id) runs."""
+    pid = tmp.name[len(name) + 2:].split(".")[0]
+    if not pid.isdigit() or int(pid) <= 0 or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):  # runs under another user; or no such id
+        return False
+    return False
+
+
 def _remove_stale_temporaries(directory: Path, name: str) -> None:
-    """Remove the temporary files that killed saves of `name` left behind (`.<name>.*.tmp`,
-    unchanged for STALE_SECONDS: a save in progress elsewhere keeps writing its own)."""
+    """Remove the temporary files that killed saves of `name` left behind
+    (`.<name>.<pid>.*.tmp`): those whose writing process no longer runs, and any
+    unchanged for STALE_SECONDS (a writer on another machine, or an id taken again); a
+    save in progress elsewhere keeps its own."""
     now = time.time()
     for tmp in directory.glob(f".{glob.escape(name)}.*.tmp"):
         try:
-            if now - tmp.stat().st_mtime > STALE_SECONDS:
+            if _writer_gone(tmp, name) or now - tmp.stat().st_mtime > STALE_SECONDS:
                 tmp.unlink()
         except OSError:  # gone meanwhile, or not ours to remove
             pass
 
 
 def _create_temporary(directory: Path, name: str) -> tuple[int, Path]:
-    """A new file `.<name>.<random>.tmp` in `directory`, created with mode 0o666 so that
-    the kernel applies the umask (mkstemp's 0o600 would need the umask read back)."""
+    """A new file `.<name>.<pid>.<random>.tmp` in `directory` (the process id tells a later
+    save whether its writer still runs), created with mode 0o666 so that the kernel
+    applies the umask (mkstemp's 0o600 would need the umask read back)."""
     for _ in range(100):
-        tmp = directory / f".{name}.{secrets.token_hex(6)}.tmp"
+        tmp = directory / f".{name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
         try:
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), tmp
         except FileExistsError:

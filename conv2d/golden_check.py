@@ -66,7 +66,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     if not files:
         print(f"conv2d check: no golden files in {GOLDEN_DIR} (a broken install?)")
         return 1
-    wanted = [name for name in getattr(args, "specs", "").split(",") if name]
+    given = getattr(args, "specs", "")
+    wanted = [name.strip() for name in given.split(",") if name.strip()]
+    if given.strip() and not wanted:  # as --backends: a list given must name something
+        message = f"--specs: expected a comma list of golden spec names, got {given!r}"
+        if parser is not None:
+            parser.error(message)  # exits 2
+        raise ValueError(message)
     known = [path.stem for path in files]
     unknown = [name for name in wanted if name not in known]
     if unknown:

@@ -33,6 +33,46 @@ def test_check_fails_when_a_backend_it_was_asked_for_cannot_run(capsys):
     assert "--backends names cuda, which cannot run here" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("specs", [",", " , "])
+def test_check_refuses_a_specs_list_that_names_none_as_a_usage_error(capsys, specs):
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--specs", specs])
+    assert e.value.code == 2 and "--specs: expected a comma list of golden spec names" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seed", "-1"], "--seed: expected an int >= 0, got -1"),
+    (["--lr", "1e308"], "--lr: expected a number the optimizer's float32 arithmetic holds"),
+    (["--batch-size", "1000000000"], "--batch-size: expected an int in [1, 65536], got 1000000000"),
+    (["--task", "fit", "--steps", "99999999999999999999"], "--steps: expected an int in [1, 2147483647]"),
+    (["--plot", "/proc/x.png"], "--plot: no file can be written in '/proc'"),
+])
+def test_demo_refuses_values_it_cannot_run_with_as_usage_errors_before_any_work(capsys, argv, message):
+    if argv[-1].startswith("/proc") and not os.path.isdir("/proc"):
+        pytest.skip("no /proc on this system")
+    with pytest.raises(SystemExit) as e:
+        main(["demo", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_ctrl_c_ends_the_demo_with_one_line_and_status_130():
+    import signal
+    import subprocess
+    import time
+
+    pytest.importorskip("sklearn", reason="scikit-learn (the demo extra) is not installed")
+    proc = subprocess.Popen([sys.executable, "-m", "conv2d", "demo", "--epochs", "1000", "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    line = ""
+    while time.time() < deadline and "demo:" not in line:  # training has started
+        line = proc.stdout.readline()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert err.strip().splitlines()[-1] == "conv2d: interrupted" and "Traceback" not in err
+
+
 @pytest.mark.parametrize("lr", ["nan", "-1", "inf", "0"])
 def test_demo_refuses_a_learning_rate_that_is_not_finite_and_positive_before_training(capsys, lr):
     with pytest.raises(SystemExit) as e:

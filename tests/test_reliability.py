@@ -237,6 +237,20 @@ def test_save_removes_the_temporary_files_of_killed_saves_but_not_fresh_ones(tmp
     assert not stale.exists() and fresh.exists() and other.exists()
 
 
+def test_save_removes_a_fresh_temporary_file_whose_writer_no_longer_runs(tmp_path):
+    import subprocess
+    import sys
+
+    layer, path = saved(tmp_path)
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = int(done.stdout)  # a process that has exited
+    dead, alive = tmp_path / f".layer.npz.{gone}.abc123.tmp", tmp_path / f".layer.npz.{os.getppid()}.def456.tmp"
+    for f in (dead, alive):
+        f.write_bytes(b"\0" * 1024)
+    conv2d.save(layer, path)
+    assert not dead.exists() and alive.exists()  # fresh, but its writer is gone / still runs
+
+
 def test_save_through_a_symlink_writes_the_file_it_names(tmp_path):
     layer, path = saved(tmp_path)
     link = tmp_path / "link.npz"
