@@ -41,6 +41,10 @@ JUMPING_DERIVATIVE = frozenset({Activation.RELU, Activation.RELU6, Activation.HA
 GELU_TANH_K = math.sqrt(2.0 / math.pi)
 GELU_ORIGINAL_K = 0.5 * math.sqrt(2.0 / math.pi)
 GELU_CUBIC = 0.044715
+# rl_tools writes the cubic coefficient of its own GELU as the C++ float literal 0.044715f:
+# gelu_original, rl_tools' activation, uses exactly that float32 value (in float64 too), so
+# that its results match the compiled library's; gelu_tanh keeps PyTorch's double.
+GELU_ORIGINAL_CUBIC = float(np.float32(GELU_CUBIC))
 FAST_TANH_CLAMP = 3.0
 RELU6_CAP = 6.0  # ReLU6: min(max(x, 0), 6); hardswish: x * relu6(x + 3) / 6
 HARDSWISH_SHIFT = 3.0
@@ -50,13 +54,13 @@ INV_SQRT2 = 1.0 / math.sqrt(2.0)
 INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
-def _gelu_tanh(x: np.ndarray, k: float) -> np.ndarray:
-    return 0.5 * x * (1.0 + np.tanh(k * (x + GELU_CUBIC * x**3)))
+def _gelu_tanh(x: np.ndarray, k: float, cubic: float) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(k * (x + cubic * x**3)))
 
 
-def _gelu_tanh_derivative(x: np.ndarray, k: float) -> np.ndarray:
-    t = np.tanh(k * (x + GELU_CUBIC * x**3))
-    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * GELU_CUBIC * x * x)
+def _gelu_tanh_derivative(x: np.ndarray, k: float, cubic: float) -> np.ndarray:
+    t = np.tanh(k * (x + cubic * x**3))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * cubic * x * x)
 
 
 def _fast_tanh(x: np.ndarray) -> np.ndarray:
@@ -81,9 +85,9 @@ def forward(act: Activation, x: np.ndarray, parameter: float | None = None) -> n
     if act is Activation.FAST_TANH:
         return _fast_tanh(x).astype(x.dtype, copy=False)
     if act is Activation.GELU_TANH:
-        return _gelu_tanh(x, dt(GELU_TANH_K)).astype(x.dtype, copy=False)
+        return _gelu_tanh(x, dt(GELU_TANH_K), GELU_CUBIC).astype(x.dtype, copy=False)
     if act is Activation.GELU_ORIGINAL:
-        return _gelu_tanh(x, dt(GELU_ORIGINAL_K)).astype(x.dtype, copy=False)
+        return _gelu_tanh(x, dt(GELU_ORIGINAL_K), GELU_ORIGINAL_CUBIC).astype(x.dtype, copy=False)
     if act is Activation.GELU:
         return (dt(0.5) * x * (dt(1) + special.erf(x * dt(INV_SQRT2)))).astype(x.dtype, copy=False)
     if act is Activation.SILU:
@@ -119,9 +123,9 @@ def derivative(act: Activation, x: np.ndarray, parameter: float | None = None) -
         f = _fast_tanh(x)
         return (1.0 - f * f).astype(x.dtype, copy=False)
     if act is Activation.GELU_TANH:
-        return _gelu_tanh_derivative(x, dt(GELU_TANH_K)).astype(x.dtype, copy=False)
+        return _gelu_tanh_derivative(x, dt(GELU_TANH_K), GELU_CUBIC).astype(x.dtype, copy=False)
     if act is Activation.GELU_ORIGINAL:
-        return _gelu_tanh_derivative(x, dt(GELU_ORIGINAL_K)).astype(x.dtype, copy=False)
+        return _gelu_tanh_derivative(x, dt(GELU_ORIGINAL_K), GELU_ORIGINAL_CUBIC).astype(x.dtype, copy=False)
     if act is Activation.GELU:
         cdf = dt(0.5) * (dt(1) + special.erf(x * dt(INV_SQRT2)))
         pdf = np.exp(dt(-0.5) * x * x) * dt(INV_SQRT_2PI)

@@ -10,6 +10,7 @@ from conv2d.activations import Activation, derivative, forward
 
 K_TANH = math.sqrt(2 / math.pi)
 K_ORIGINAL = 0.5 * math.sqrt(2 / math.pi)
+CUBIC_F32 = float(np.float32(0.044715))
 
 
 def _fast_tanh(x):
@@ -26,7 +27,8 @@ FORMULAS = {
     Activation.FAST_TANH: _fast_tanh,
     Activation.GELU_TANH: lambda x: 0.5 * x * (1 + math.tanh(K_TANH * (x + 0.044715 * x**3))),
     Activation.GELU: lambda x: 0.5 * x * (1 + math.erf(x / math.sqrt(2))),
-    Activation.GELU_ORIGINAL: lambda x: 0.5 * x * (1 + math.tanh(K_ORIGINAL * (x + 0.044715 * x**3))),
+    # rl_tools' cubic coefficient is the C++ float literal 0.044715f: that float32 value.
+    Activation.GELU_ORIGINAL: lambda x: 0.5 * x * (1 + math.tanh(K_ORIGINAL * (x + CUBIC_F32 * x**3))),
     Activation.SILU: lambda x: x / (1 + math.exp(-x)),
     Activation.RELU6: lambda x: min(max(x, 0.0), 6.0),
     Activation.HARDSWISH: lambda x: x * min(max(x + 3.0, 0.0), 6.0) / 6.0,
@@ -102,3 +104,16 @@ def test_large_inputs_give_finite_values_without_warnings(act):
 @pytest.mark.parametrize("act", list(Activation))
 def test_nan_propagates_through_forward(act):
     assert np.isnan(forward(act, np.array([np.nan]))[0])
+
+
+def test_gelu_original_uses_rl_tools_float32_cubic_coefficient_exactly_in_float64():
+    """rl_tools writes 0.044715f: its float32 value, not the double 0.044715 (a 1e-9
+    relative difference in float64 against the compiled library otherwise)."""
+    cubic = CUBIC_F32
+    x = np.linspace(-4, 4, 101)
+    t = np.tanh(K_ORIGINAL * (x + cubic * x**3))
+    np.testing.assert_array_equal(forward(Activation.GELU_ORIGINAL, x), 0.5 * x * (1.0 + t))
+    want_d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * K_ORIGINAL * (1.0 + 3.0 * cubic * x * x)
+    np.testing.assert_array_equal(derivative(Activation.GELU_ORIGINAL, x), want_d)
+    assert not np.array_equal(forward(Activation.GELU_ORIGINAL, x),
+                              0.5 * x * (1.0 + np.tanh(K_ORIGINAL * (x + 0.044715 * x**3))))

@@ -48,8 +48,10 @@ def _activation(name: str, a: torch.Tensor, parameter: float | None = None) -> t
     if name == "gelu":
         return F.gelu(a)
     if name == "gelu_original":
+        # rl_tools' constants: k half of PyTorch's, the cubic coefficient the float32 0.044715f
         k = 0.5 * math.sqrt(2 / math.pi)
-        return 0.5 * a * (1 + torch.tanh(k * (a + 0.044715 * a**3)))
+        cubic = float(np.float32(0.044715))
+        return 0.5 * a * (1 + torch.tanh(k * (a + cubic * a**3)))
     if name == "silu":
         return F.silu(a)
     if name == "relu6":
