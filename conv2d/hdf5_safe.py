@@ -6,8 +6,12 @@ each before reading any of it: reached through hard links only (a soft or extern
 may name another file, dangle or loop: refused unfollowed), a dataset and not a group,
 not virtual (it reads other files), no external raw storage (any file on disk), a real
 floating-point dtype, one of the allowed shapes (so a crafted shape allocates nothing),
-and storage for every value (unallocated storage reads as a fill value, not as data).
-Any failure is a ValueError naming the member.
+chunks no larger than the dataset (a compressed chunk is inflated whole: a chunk beyond
+the dataset would allocate past what its shape allows), and storage for every value
+(unallocated storage reads as a fill value, not as data). Before any of that the file's
+global heaps (variable-length strings) are walked on its bytes (`check_global_heaps`):
+a damaged one made the library loop for ever. Any failure is a ValueError naming the
+member. A load's memory is so bounded by the arrays its spec allows.
 
 The HDF5 C library itself can crash on a damaged file (fuzzing found a segmentation
 fault reading a corrupted attribute), so `conv2d.rltools.load` runs this module as a
@@ -23,6 +27,7 @@ import io
 import itertools
 import json
 import math
+import os
 import sys
 from typing import Any
 
@@ -57,6 +62,61 @@ def subgroup(group: Any, name: str, where: str) -> Any:
     if obj is not None and not isinstance(obj, _h5py().Group):
         raise ValueError(f"{where}: {name!r} is a {type(obj).__name__}, expected a group")
     return obj
+
+
+# Global heap collections (where variable-length strings, such as rl_tools' attributes,
+# live): "GCOL", version 1, three reserved bytes, the collection's size in bytes (the
+# superblock's size of lengths, 8 for every file h5py and rl_tools write), then objects of
+# a 16-byte header (index, reference count, reserved, size) and their data padded to 8.
+# A damaged object size made the HDF5 library loop for ever reading an attribute.
+GLOBAL_HEAP_MIN_BYTES = 4096  # the library's smallest collection
+
+
+def check_global_heaps(path: str, where: str) -> None:
+    """ValueError where a global heap collection of the file does not hold objects that
+    tile it: every object within the collection, no index twice, and the walk ending at
+    the free-space object (index 0) whose size is exactly the rest of the collection, or
+    at the collection's end. Checked on the
+    file's bytes before the HDF5 library reads any of it."""
+    import mmap
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            start = m.find(b"GCOL")
+            while start != -1:
+                _check_collection(m, start, size, where)
+                start = m.find(b"GCOL", start + 4)
+
+
+def _check_collection(m: Any, start: int, size: int, where: str) -> None:
+    if start + 16 > size or m[start + 4] != 1 or m[start + 5:start + 8] != b"\0\0\0":
+        return  # not a collection header (raw data that happens to read "GCOL")
+    length = int.from_bytes(m[start + 8:start + 16], "little")
+    if length < GLOBAL_HEAP_MIN_BYTES:
+        return
+    end = start + length
+    if end > size:
+        raise ValueError(f"{where}: a global heap at byte {start} declares {length} bytes, past the file's end "
+                         f"(damaged?); refused unread")
+    pos, seen, whole = start + 16, set(), False
+    while pos + 16 <= end:
+        index = int.from_bytes(m[pos:pos + 2], "little")
+        length = int.from_bytes(m[pos + 8:pos + 16], "little")
+        if index == 0:  # free space: exactly the rest of the collection, its header included
+            whole = length == end - pos
+            break
+        if index in seen or pos + 16 + length > end:
+            break
+        seen.add(index)
+        pos += 16 + (length + 7) // 8 * 8
+    else:
+        whole = pos <= end  # full to the last bytes, too few for a free-space object
+    if not whole:
+        raise ValueError(f"{where}: the global heap at byte {start} (variable-length strings) does not hold "
+                         f"whole objects (an object's size is damaged); refused unread")
 
 
 def _allocated(ds: Any) -> bool:
@@ -94,6 +154,9 @@ def dataset(group: Any, name: str, where: str, shapes: list[tuple[int, ...]]) ->
     if obj.shape not in shapes:
         expected = " or ".join(str(s) for s in dict.fromkeys(shapes))
         raise ValueError(f"{at}: expected shape {expected}, got {obj.shape} (refused unread)")
+    if obj.chunks is not None and any(c > max(n, 1) for c, n in zip(obj.chunks, obj.shape)):
+        raise ValueError(f"{at}: stored in chunks of {obj.chunks} values for a dataset of {obj.shape} (a chunk "
+                         f"the library would inflate whole, beyond the dataset's own size); refused unread")
     if not _allocated(obj):
         raise ValueError(f"{at}: holds no data for some of its values (unallocated storage reads as the fill "
                          f"value, not as weights)")
@@ -130,6 +193,7 @@ def _main() -> int:
     h5py = _h5py()
     where = f"rl_tools file {request['path']!r}"
     try:
+        check_global_heaps(request["path"], where)
         with h5py.File(request["path"], "r") as f:
             group = subgroup(f, request["name"], where)
             if group is None:
