@@ -11,9 +11,12 @@ File format (version 2), a NumPy .npz archive (zip) with:
   bfloat16 arrays are stored as their raw uint16 bits (npz has no bfloat16), the header
   naming the real dtype. `sha256` is over each array's raw bytes.
 
-`load` reads the zip directory and the header first and checks everything it can
-before inflating any array (member names, declared sizes against the arrays' shapes, so
-a zip bomb is refused unread); any damage, foreign or tampered content raises
+`load` reads the zip's end records, directory and header first and checks everything
+it can before reading any array (a directory of at most MAX_DIRECTORY_BYTES within the
+file, members stored uncompressed as `save` writes them, member names, declared sizes
+against the arrays' shapes), so a load's memory is bounded by the arrays' own size, which
+the file's own bytes hold, and a small constant: a zip bomb or a sparse file declaring a
+huge directory is refused unread; any damage, foreign or tampered content raises
 `ValueError` and no layer changes. State with NaN or infinite values (one NaN batch
 makes the running statistics NaN) is saved and loaded as it is, with a RuntimeWarning,
 so that a diverged run can be inspected: what `save` writes, `load` reads.
@@ -162,12 +165,53 @@ def _check_declared(where: str, spec: list[LayerSpec] | LayerSpec, arrays: dict[
                              f"needs {dt} {list(shape)}")
 
 
+# The zip's central directory: a conv2d file has a header and at most seven arrays a
+# layer, about 100 bytes of directory each; 1 MiB holds thousands of layers.
+MAX_DIRECTORY_BYTES = 1 << 20
+_EOCD, _EOCD64, _LOCATOR64 = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
+
+
+def _check_directory(where: str, path: Path) -> None:
+    """The zip's end records read on their own, before zipfile reads the directory they
+    declare: a directory larger than MAX_DIRECTORY_BYTES, or past the file's end (a sparse
+    file declaring gigabytes), is refused unread."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        tail_at = max(0, size - (22 + 0xFFFF + 20))  # the end record, its comment, the zip64 locator
+        f.seek(tail_at)
+        tail = f.read()
+        at = tail.rfind(_EOCD)
+        if at < 0 or at + 22 > len(tail):
+            raise ValueError(f"{where}: not a readable conv2d file (no zip end record: not a zip archive, or truncated)")
+        directory_size = int.from_bytes(tail[at + 12:at + 16], "little")
+        directory_at = int.from_bytes(tail[at + 16:at + 20], "little")
+        if 0xFFFFFFFF in (directory_size, directory_at) and at >= 20 and tail[at - 20:at - 16] == _LOCATOR64:
+            record_at = int.from_bytes(tail[at - 12:at - 4], "little")
+            if record_at + 56 > size:
+                raise ValueError(f"{where}: the zip64 end record is placed past the file's end ({record_at})")
+            f.seek(record_at)
+            record = f.read(56)
+            if record[:4] != _EOCD64:
+                raise ValueError(f"{where}: no zip64 end record where its locator says ({record_at})")
+            directory_size = int.from_bytes(record[40:48], "little")
+            directory_at = int.from_bytes(record[48:56], "little")
+    if directory_size > MAX_DIRECTORY_BYTES or directory_at + directory_size > size:
+        raise ValueError(f"{where}: a zip directory of {directory_size} bytes at byte {directory_at} in a file of "
+                         f"{size} bytes (more than a conv2d file's, or past its end); refused unread")
+
+
 def _read(path: Path) -> tuple[list[LayerSpec] | LayerSpec, dict[str, np.ndarray]]:
     where = f"load({str(path)!r})"
     readable_file(where, path)
     try:
+        _check_directory(where, path)
         with zipfile.ZipFile(path) as z:
             infos = {info.filename: info for info in z.infolist()}
+            packed = [name for name, info in infos.items()
+                      if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size]
+            if packed:  # save stores every member; an inflated member's size is the file's word only
+                raise ValueError(f"{where}: compressed members {sorted(packed)[:5]} (conv2d's save stores every "
+                                 f"member uncompressed); refused before inflating them")
             head = infos.get("header.npy")
             if head is None:
                 raise ValueError(f"{where}: not a conv2d file (no header; the archive holds {sorted(infos)[:10]})")
