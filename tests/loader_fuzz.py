@@ -8,10 +8,13 @@ failure; a hang is caught by the caller's timeout."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import resource
 import sys
+import tracemalloc
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,8 +49,11 @@ def _truncate(data: bytes, rng: np.random.Generator) -> bytes:
 
 
 def npz_mutations(good: Path, rng: np.random.Generator, out: Path) -> Callable[[int], None]:
-    """Write mutation i of the .npz file `good` to `out`: a truncation, bit flips, or a
-    header edit with its checksum recomputed (a size, a field's type, the version)."""
+    """Write mutation i of the .npz file `good` to `out`: a truncation, bit flips, a
+    header edit with its checksum recomputed (a size, a field's type, the version), the
+    members deflated (a header declaring up to 2**20 output channels over zero arrays: a bomb
+    of a few hundred KB), or an end record declaring a directory of up to 1.5 GB in a
+    sparse file of that size."""
     from conv2d.io import _header_digest
 
     data = good.read_bytes()
@@ -78,10 +84,60 @@ def npz_mutations(good: Path, rng: np.random.Generator, out: Path) -> Callable[[
                 with z.open(f"{k}.npy", "w") as m:
                     np.lib.format.write_array(m, v, allow_pickle=False)
 
+    def deflated() -> None:
+        """The members written deflated, zeros streamed a block at a time (the writer must
+        not hold what the bomb would inflate to, under the same memory cap)."""
+        import zipfile
+
+        from conv2d import LayerSpec
+        from conv2d.state import state_layout
+
+        with np.load(good) as f:
+            header = json.loads(f["header"].tobytes())
+        spec = dict(header["spec"], out_channels=int(rng.choice([2 ** 16, 2 ** 20])))
+        layout = state_layout(LayerSpec.from_dict(spec))
+        block = bytes(1 << 20)
+
+        def zeros_digest(n: int) -> str:
+            h = hashlib.sha256()
+            for start in range(0, n, len(block)):
+                h.update(block[:min(len(block), n - start)])
+            return h.hexdigest()
+        header["spec"] = spec
+        header["arrays"] = {k: {"dtype": dt.name, "shape": list(shape),
+                                "sha256": zeros_digest(math.prod(shape) * dt.itemsize)}
+                            for k, (shape, dt) in layout.items()}
+        header["header_sha256"] = _header_digest(header)
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+            with z.open("header.npy", "w") as m:
+                np.lib.format.write_array(m, np.frombuffer(json.dumps(header, sort_keys=True).encode(), np.uint8),
+                                          allow_pickle=False)
+            for k, (shape, dt) in layout.items():
+                with z.open(f"state.{k}.npy", "w", force_zip64=True) as m:
+                    np.lib.format.write_array_header_1_0(m, {"descr": np.lib.format.dtype_to_descr(dt),
+                                                             "fortran_order": False, "shape": tuple(shape)})
+                    n = math.prod(shape) * dt.itemsize
+                    for start in range(0, n, len(block)):
+                        m.write(block[:min(len(block), n - start)])
+
+    def sparse_directory() -> None:
+        b = bytearray(data)
+        at = b.rfind(b"PK\x05\x06")
+        declared = int(rng.choice([1 << 24, 1 << 28, 1_500_000_000]))
+        b[at + 12:at + 16] = declared.to_bytes(4, "little")
+        with open(out, "wb") as f:
+            f.truncate(declared + len(b))
+            f.seek(declared)
+            f.write(bytes(b))
+
     def mutate(i: int) -> None:
-        kind = i % 3
+        kind = i % 5
         if kind == 2:
             header_edit()
+        elif kind == 3:
+            deflated()
+        elif kind == 4:
+            sparse_directory()
         else:
             out.write_bytes(_truncate(data, rng) if kind == 0 else _flip(data, rng))
     return mutate
@@ -123,22 +179,52 @@ def h5_mutations(good: Path, rng: np.random.Generator, out: Path, secret: Path) 
         lambda f: f["layer"].attrs.__setitem__("kernel_height", np.arange(3)),
         lambda f: f["layer"].attrs.__setitem__(str(rng.choice(["activation_function", "normalization"])), "??"),
         lambda f: f["layer/running_var"].__setitem__(slice(None), -1.0),
+        # a chunk bomb: 4 values in one gzip chunk of up to 2**24 (64 MiB inflated; larger
+        # ones would not be written under the fuzz's own memory cap)
+        lambda f: _rechunk(f["layer"], "running_mean", (int(rng.choice([2 ** 20, 2 ** 24])),)),
     ]
 
+    def heap_object_size() -> None:
+        """One string object's size in the global heap grown by 16 (0x01 -> 0x11 in its
+        low byte), the change that made the library spin."""
+        b = bytearray(data)
+        at = b.find(b"GCOL") + 16
+        objects = []
+        while at + 16 <= len(b) and int.from_bytes(b[at:at + 2], "little") != 0 and len(objects) < 200:
+            objects.append(at)
+            at += 16 + (int.from_bytes(b[at + 8:at + 16], "little") + 7) // 8 * 8
+        b[objects[int(rng.integers(0, len(objects)))] + 8] ^= 0x10
+        out.write_bytes(bytes(b))
+
     def mutate(i: int) -> None:
-        kind = i % 3
+        kind = i % 4
         if kind == 2:
             out.write_bytes(data)
             with h5py.File(out, "a") as f:
                 crafted[int(rng.integers(0, len(crafted)))](f)
+        elif kind == 3:
+            heap_object_size()
         else:
             out.write_bytes(_truncate(data, rng) if kind == 0 else _flip(data, rng))
     return mutate
 
 
+def _rechunk(group: Any, name: str, chunks: tuple[int, ...]) -> None:
+    values = group[name][()]
+    del group[name]
+    group.create_dataset(name, data=values, chunks=chunks, maxshape=(None,) * len(chunks), compression="gzip")
+
+
 # Cases loaded at once: an HDF5 case reads in a child process (rltools.load), so two
 # at a time halve the fuzz's time on CI's two cores.
 WORKERS = max(1, min(2, os.cpu_count() or 1))
+
+
+# The most a load of the fuzz's small layer may allocate (traced by tracemalloc, the
+# .npz loads; the HDF5 reader children's peak resident size is reported beside): its
+# arrays are a few KB, so this is "a small constant", whatever a file declares.
+PEAK_BOUND_MB = 64
+CHILD_PEAK_BOUND_MB = 512
 
 
 def _outcome(load: Callable[[Path], Any], path: Path, want: dict[str, np.ndarray]) -> str:
@@ -157,7 +243,6 @@ def _outcome(load: Callable[[Path], Any], path: Path, want: dict[str, np.ndarray
 def run(directory: Path, seed: int, cases: int) -> dict[str, Any]:
     """Each format's mutations written in order (one seeded generator), each to a file of
     its own, then loaded WORKERS at a time."""
-    import shutil
     from concurrent.futures import ThreadPoolExecutor
 
     import conv2d
@@ -182,11 +267,29 @@ def run(directory: Path, seed: int, cases: int) -> dict[str, Any]:
         for i in range(cases):
             mutate(i)
             paths.append(directory / f"case-{name}-{i}{out.suffix}")
-            shutil.copyfile(out, paths[-1])
-        with ThreadPoolExecutor(WORKERS) as pool:
-            outcomes = list(pool.map(lambda path: _outcome(load, path, want), paths))
+            os.replace(out, paths[-1])  # moved, not copied: a sparse case is gigabytes on paper
+        over = []
+        if name == "npz":  # in this process, one at a time: each case's peak traced alone
+            outcomes = []
+            tracemalloc.start()
+            for i, path in enumerate(paths):
+                tracemalloc.reset_peak()
+                outcomes.append(_outcome(load, path, want))
+                peak = tracemalloc.get_traced_memory()[1] >> 20
+                if peak > PEAK_BOUND_MB:
+                    over.append(f"case {i}: {peak} MB")
+            tracemalloc.stop()
+        else:
+            with ThreadPoolExecutor(WORKERS) as pool:
+                outcomes = list(pool.map(lambda path: _outcome(load, path, want), paths))
+            peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss >> 10  # KB on Linux
+            if peak > CHILD_PEAK_BOUND_MB:
+                over.append(f"a reader child: {peak} MB")
+        for path in paths:
+            path.unlink()  # the sparse files are large on paper
         report[name] = {"identical": outcomes.count("identical"), "refused": outcomes.count("refused"),
-                        "other": [f"case {i}: {o}" for i, o in enumerate(outcomes) if o not in ("identical", "refused")]}
+                        "other": [f"case {i}: {o}" for i, o in enumerate(outcomes) if o not in ("identical", "refused")],
+                        "over_memory_bound": over}
     return report
 
 

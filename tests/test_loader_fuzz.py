@@ -1,6 +1,8 @@
 """The loaders against seeded damage and crafted content, both formats (`conv2d.load`'s .npz
-and `conv2d.rltools.load`'s HDF5): every mutation loads bitwise identically or is refused
-with a ValueError; no other exception, no allocation past a memory cap, no hang, no crash.
+and `conv2d.rltools.load`'s HDF5; compressed members and sparse zip directories, HDF5
+chunk bombs and damaged global heaps among them): every mutation loads bitwise
+identically or is refused with a ValueError; no other exception, no case's peak memory
+past its bound, no allocation past a memory cap, no hang, no crash.
 The fuzz runs as its own process (tests/loader_fuzz.py) under `resource.RLIMIT_AS`, which
 its HDF5 reader processes inherit, and a timeout."""
 
@@ -29,5 +31,6 @@ def test_seeded_damage_to_either_format_loads_identically_or_is_a_value_error(tm
     report = json.loads(done.stdout.strip().splitlines()[-1])
     for name, counts in report.items():
         assert counts["other"] == [], f"{name}: {counts['other'][:10]}"
+        assert counts["over_memory_bound"] == [], f"{name}: {counts['over_memory_bound'][:10]}"
         assert counts["identical"] + counts["refused"] == CASES
         assert counts["refused"] > CASES // 2, (name, counts)
