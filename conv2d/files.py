@@ -13,13 +13,14 @@ never changed, so saves in several threads cannot race on it).
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import secrets
 import stat
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 STALE_SECONDS = 600  # a temporary file of a save untouched this long was left by a killed one
 
@@ -126,14 +127,35 @@ def atomic_write(where: str, path: str | os.PathLike, write: Callable[[Any], Non
     return target
 
 
-def readable_file(where: str, path: str | os.PathLike) -> Path:
-    """`path` as a Path after checking that it names an existing regular file (through
-    symbolic links): a FIFO would block a reader and a device is no file of ours."""
+def open_regular(where: str, path: str | os.PathLike) -> BinaryIO:
+    """`path` opened once for reading, after checking that what was opened (through
+    symbolic links) is a regular file: a FIFO would block a reader, a device is no file
+    of ours, and a check of the name before an open by name could be of another file
+    swapped in between. The open does not block (a FIFO opens at once, then is refused).
+    FileNotFoundError for a missing file, PermissionError as the system says; a name no
+    file can have (a NUL byte, too long, a loop of symbolic links) is a ValueError."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{where}: expected a str or os.PathLike path, got {type(path).__name__}")
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{where}: no such file {str(path)!r}")
-    if not p.is_file():
-        raise ValueError(f"{where}: {str(path)!r} is not a regular file (a directory, FIFO or device is not read)")
-    return p
+    name = os.fspath(path)
+    shown = repr(name if isinstance(name, str) else os.fsdecode(name))
+    if "\0" in (name if isinstance(name, str) else os.fsdecode(name)):
+        raise ValueError(f"{where}: {shown} holds a NUL byte, which no file name can")
+    try:
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{where}: no such file {shown}") from e
+    except PermissionError:
+        raise
+    except OSError as e:
+        reason = {errno.ELOOP: "a loop of symbolic links", errno.ENAMETOOLONG: "a name too long for the file system",
+                  errno.ENOTDIR: "a path through something that is not a directory"}.get(e.errno, e.strerror)
+        raise ValueError(f"{where}: {shown} cannot be opened: {reason}") from e
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{where}: {shown} is not a regular file (a directory, FIFO or device is not read)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise

@@ -16,7 +16,8 @@ member. A load's memory is so bounded by the arrays its spec allows.
 The HDF5 C library itself can crash on a damaged file (fuzzing found a segmentation
 fault reading a corrupted attribute), so `conv2d.rltools.load` runs this module as a
 script in a child process: `python hdf5_safe.py` reads a JSON request on stdin
-({"path", "name", "wanted"}) and writes the snapshot as an .npz on stdout, or a refusal
+({"path", "name", "wanted"}, and "fd", a descriptor of the file the caller opened and
+checked, which is read instead of the path) and writes the snapshot as an .npz on stdout, or a refusal
 on stderr with exit status REFUSED. As a script it imports nothing of conv2d, so the
 child starts in about the time of importing numpy and h5py.
 """
@@ -72,7 +73,7 @@ def subgroup(group: Any, name: str, where: str) -> Any:
 GLOBAL_HEAP_MIN_BYTES = 4096  # the library's smallest collection
 
 
-def check_global_heaps(path: str, where: str) -> None:
+def check_global_heaps(source: str | int, where: str) -> None:
     """ValueError where a global heap collection of the file does not hold objects that
     tile it: every object within the collection, no index twice, and the walk ending at
     the free-space object (index 0) whose size is exactly the rest of the collection, or
@@ -80,7 +81,7 @@ def check_global_heaps(path: str, where: str) -> None:
     file's bytes before the HDF5 library reads any of it."""
     import mmap
 
-    with open(path, "rb") as f:
+    with open(source, "rb", closefd=not isinstance(source, int)) as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             return
@@ -193,8 +194,10 @@ def _main() -> int:
     h5py = _h5py()
     where = f"rl_tools file {request['path']!r}"
     try:
-        check_global_heaps(request["path"], where)
-        with h5py.File(request["path"], "r") as f:
+        # The descriptor the caller opened and checked (a regular file), else the path.
+        source = request.get("fd", request["path"])
+        check_global_heaps(source, where)
+        with h5py.File(os.fdopen(source, "rb", closefd=False) if isinstance(source, int) else source, "r") as f:
             group = subgroup(f, request["name"], where)
             if group is None:
                 raise ValueError(f"{where}: no group {request['name']!r}; the file holds {sorted(f.keys())[:20]}")

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from conv2d.dtypes import storage_dtype
-from conv2d.files import atomic_write, readable_file, writable_target
+from conv2d.files import atomic_write, open_regular, writable_target
 from conv2d.layer import Conv2d, layer_locks
 from conv2d.sequential import Sequential
 from conv2d.spec import CALL_FIELDS, DType, LayerSpec
@@ -171,30 +171,29 @@ MAX_DIRECTORY_BYTES = 1 << 20
 _EOCD, _EOCD64, _LOCATOR64 = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
 
 
-def _check_directory(where: str, path: Path) -> None:
-    """The zip's end records read on their own, before zipfile reads the directory they
-    declare: a directory larger than MAX_DIRECTORY_BYTES, or past the file's end (a sparse
-    file declaring gigabytes), is refused unread."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        tail_at = max(0, size - (22 + 0xFFFF + 20))  # the end record, its comment, the zip64 locator
-        f.seek(tail_at)
-        tail = f.read()
-        at = tail.rfind(_EOCD)
-        if at < 0 or at + 22 > len(tail):
-            raise ValueError(f"{where}: not a readable conv2d file (no zip end record: not a zip archive, or truncated)")
-        directory_size = int.from_bytes(tail[at + 12:at + 16], "little")
-        directory_at = int.from_bytes(tail[at + 16:at + 20], "little")
-        if 0xFFFFFFFF in (directory_size, directory_at) and at >= 20 and tail[at - 20:at - 16] == _LOCATOR64:
-            record_at = int.from_bytes(tail[at - 12:at - 4], "little")
-            if record_at + 56 > size:
-                raise ValueError(f"{where}: the zip64 end record is placed past the file's end ({record_at})")
-            f.seek(record_at)
-            record = f.read(56)
-            if record[:4] != _EOCD64:
-                raise ValueError(f"{where}: no zip64 end record where its locator says ({record_at})")
-            directory_size = int.from_bytes(record[40:48], "little")
-            directory_at = int.from_bytes(record[48:56], "little")
+def _check_directory(where: str, f: Any) -> None:
+    """The zip's end records of the open file `f` read on their own, before zipfile reads
+    the directory they declare: a directory larger than MAX_DIRECTORY_BYTES, or past the
+    file's end (a sparse file declaring gigabytes), is refused unread."""
+    size = os.fstat(f.fileno()).st_size
+    tail_at = max(0, size - (22 + 0xFFFF + 20))  # the end record, its comment, the zip64 locator
+    f.seek(tail_at)
+    tail = f.read()
+    at = tail.rfind(_EOCD)
+    if at < 0 or at + 22 > len(tail):
+        raise ValueError(f"{where}: not a readable conv2d file (no zip end record: not a zip archive, or truncated)")
+    directory_size = int.from_bytes(tail[at + 12:at + 16], "little")
+    directory_at = int.from_bytes(tail[at + 16:at + 20], "little")
+    if 0xFFFFFFFF in (directory_size, directory_at) and at >= 20 and tail[at - 20:at - 16] == _LOCATOR64:
+        record_at = int.from_bytes(tail[at - 12:at - 4], "little")
+        if record_at + 56 > size:
+            raise ValueError(f"{where}: the zip64 end record is placed past the file's end ({record_at})")
+        f.seek(record_at)
+        record = f.read(56)
+        if record[:4] != _EOCD64:
+            raise ValueError(f"{where}: no zip64 end record where its locator says ({record_at})")
+        directory_size = int.from_bytes(record[40:48], "little")
+        directory_at = int.from_bytes(record[48:56], "little")
     if directory_size > MAX_DIRECTORY_BYTES or directory_at + directory_size > size:
         raise ValueError(f"{where}: a zip directory of {directory_size} bytes at byte {directory_at} in a file of "
                          f"{size} bytes (more than a conv2d file's, or past its end); refused unread")
@@ -202,10 +201,15 @@ def _check_directory(where: str, path: Path) -> None:
 
 def _read(path: Path) -> tuple[list[LayerSpec] | LayerSpec, dict[str, np.ndarray]]:
     where = f"load({str(path)!r})"
-    readable_file(where, path)
+    with open_regular(where, path) as opened:
+        return _read_open(where, opened)
+
+
+def _read_open(where: str, opened: Any) -> tuple[list[LayerSpec] | LayerSpec, dict[str, np.ndarray]]:
     try:
-        _check_directory(where, path)
-        with zipfile.ZipFile(path) as z:
+        _check_directory(where, opened)
+        opened.seek(0)
+        with zipfile.ZipFile(opened) as z:
             infos = {info.filename: info for info in z.infolist()}
             packed = [name for name, info in infos.items()
                       if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size]

@@ -49,7 +49,7 @@ import numpy as np
 
 from conv2d.activations import Activation
 from conv2d import hdf5_safe
-from conv2d.files import atomic_write, readable_file
+from conv2d.files import atomic_write, open_regular
 from conv2d.layer import Conv2d, layer_locks
 from conv2d.spec import LayerSpec, Normalization
 from conv2d.state import RUNNING_STATISTICS, check_arrays, grad_layout, state_layout
@@ -424,18 +424,23 @@ def load(path: str | os.PathLike, into: Conv2d, name: str = "layer", weight_layo
     index = _check_load_arguments(into, weight_layout, optimizer)
     _h5py()
     where = f"rltools.load({str(path)!r})"
-    p = readable_file(where, path)
-    with open(p, "rb") as raw:
-        if raw.read(8) != b"\x89HDF\r\n\x1a\n":
+    with open_regular(where, path) as raw:  # opened once: the reader reads what was checked
+        try:
+            magic = raw.read(8)
+        except OSError as e:  # a file the system will not read (/proc/self/mem, a failing disk)
+            raise ValueError(f"{where}: the file cannot be read ({e.strerror or e})") from e
+        if magic != b"\x89HDF\r\n\x1a\n":
             raise ValueError(f"{where}: not an HDF5 file")
-    request = {"path": str(p.resolve()), "name": name, "wanted": wanted(into.spec)}
-    try:
-        # Run by path, without conv2d/ (or the working directory) on sys.path: conv2d/io.py
-        # would shadow the standard library's io there. PYTHONPATH is kept (h5py may be there).
-        done = subprocess.run([sys.executable, "-c", _RUN_READER, hdf5_safe.__file__],
-                              input=json.dumps(request).encode(), capture_output=True, timeout=LOAD_TIMEOUT_SECONDS)
-    except subprocess.TimeoutExpired as e:
-        raise ValueError(f"{where}: reading took more than {LOAD_TIMEOUT_SECONDS} s (a damaged file?)") from e
+        request = {"path": str(path), "fd": raw.fileno(), "name": name, "wanted": wanted(into.spec)}
+        try:
+            # Run by path, without conv2d/ (or the working directory) on sys.path: conv2d/io.py
+            # would shadow the standard library's io there. PYTHONPATH is kept (h5py may be
+            # there). The child reads the file through the descriptor opened here.
+            done = subprocess.run([sys.executable, "-c", _RUN_READER, hdf5_safe.__file__],
+                                  input=json.dumps(request).encode(), capture_output=True,
+                                  timeout=LOAD_TIMEOUT_SECONDS, pass_fds=(raw.fileno(),))
+        except subprocess.TimeoutExpired as e:
+            raise ValueError(f"{where}: reading took more than {LOAD_TIMEOUT_SECONDS} s (a damaged file?)") from e
     message = done.stderr.decode(errors="replace").strip()
     if done.returncode == hdf5_safe.REFUSED:
         raise ValueError(message)

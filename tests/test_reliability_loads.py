@@ -117,3 +117,33 @@ def test_the_global_heap_check_takes_every_file_rltools_writes(tmp_path):
     copy = tmp_path / "copy.h5"
     shutil.copy(path, copy)
     check_global_heaps(str(copy), "here")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: str(d / "a\x00b.npz"), "holds a NUL byte"),
+    (lambda d: str(d / ("x" * 300)), "a name too long"),
+    (lambda d: (os.symlink(d / "loop2", d / "loop1"), os.symlink(d / "loop1", d / "loop2"), str(d / "loop1"))[-1],
+     "a loop of symbolic links"),
+    (lambda d: "/proc/self/mem" if os.path.exists("/proc/self/mem") else pytest.skip("no /proc"),
+     "cannot be read|not a readable"),
+])
+def test_paths_no_file_can_be_read_from_are_value_errors_naming_why(tmp_path, make, message):
+    path = make(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        conv2d.load(path)
+    pytest.importorskip("h5py", reason="h5py is not installed (the hdf5 extra brings it)")
+    from conv2d import rltools
+
+    with pytest.raises(ValueError, match=message):
+        rltools.load(path, into=Conv2d(SPEC))
+
+
+def test_a_fifo_swapped_in_after_the_check_cannot_block_a_load(tmp_path):
+    """The loaders open the path once, without blocking, and check what they opened: a
+    FIFO is refused at once, whenever it appeared."""
+    fifo = tmp_path / "fifo.npz"
+    os.mkfifo(fifo)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="not a regular file"):
+        conv2d.load(fifo)
+    assert time.perf_counter() - start < 5
