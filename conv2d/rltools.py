@@ -39,6 +39,7 @@ dataset (conv2d/hdf5_safe.py).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -399,9 +400,14 @@ def save(layer: Conv2d, path: str | os.PathLike, name: str = "layer", gradient: 
 
     def write_file(f: Any) -> None:
         # HDF5 1.8's format (every HDF5 since 2008 reads it) checksums its metadata too: a
-        # damaged link or header is a read error, not another dataset's values.
-        with h5py.File(f, "w", libver=("v108", "latest")) as h5:
+        # damaged link or header is a read error, not another dataset's values. The file
+        # is made in memory and written whole: a write that fails on disk (full, over a
+        # size limit) is then one OSError here, where inside h5py it also printed
+        # "Exception ignored" tracebacks as h5py's objects flushed while being freed.
+        image = io.BytesIO()
+        with h5py.File(image, "w", libver=("v108", "latest")) as h5:
             write(layer, h5.create_group(name), gradient, optimizer, pre_activations)
+        f.write(image.getbuffer())
     with layer_locks([layer]):
         atomic_write("rltools.save: path", path, write_file)
 

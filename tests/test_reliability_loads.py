@@ -147,3 +147,28 @@ def test_a_fifo_swapped_in_after_the_check_cannot_block_a_load(tmp_path):
     with pytest.raises(ValueError, match="not a regular file"):
         conv2d.load(fifo)
     assert time.perf_counter() - start < 5
+
+
+def test_a_save_that_fails_on_disk_raises_one_error_and_prints_nothing(tmp_path):
+    """rl_tools files are made in memory and written whole: a write over the file-size
+    limit (as a full disk) is one OSError, with no "Exception ignored" tracebacks from h5py
+    freeing its objects, and no file or temporary left."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("h5py", reason="h5py is not installed (the hdf5 extra brings it)")
+    script = f"""
+import resource, signal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+from conv2d import Conv2d, LayerSpec, rltools
+layer = Conv2d(LayerSpec(batch_size=1, in_height=6, in_width=6, in_channels=16, out_channels=64, kernel=3,
+                         padding=1, normalization="batch_norm"))
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+try:
+    rltools.save(layer, {str(tmp_path / 'big.h5')!r})
+except OSError as e:
+    print("OSError", e.errno)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith("OSError") and done.stderr == "", (done.stdout, done.stderr[-2000:])
+    assert list(tmp_path.iterdir()) == []
