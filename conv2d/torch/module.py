@@ -178,13 +178,15 @@ class Conv2dNormActivation(nn.Module):
         self.layout = layout
         self.cuda_graphs = cuda_graphs
         # A spec validates every argument now; its input size is a placeholder (every
-        # call takes any N, H, W: the kernel's own size fits) and its dtype follows the
-        # tensors at each call.
+        # call takes any N, H, W: the dilated kernel's extent fits whatever the padding)
+        # and its dtype follows the tensors at each call.
         kh, kw = _pair("kernel", kernel_size)
+        dh, dw = _pair("dilation", dilation)
         dtype = dtype or torch.get_default_dtype()
         # The spec's dtype is the module's at construction, so that eps is checked where
         # it computes (a float64 module takes eps=1e-300, as nn.BatchNorm2d does).
-        self._spec = LayerSpec(batch_size=None, in_height=kh, in_width=kw, in_channels=in_channels,
+        self._spec = LayerSpec(batch_size=None, in_height=dh * (kh - 1) + 1, in_width=dw * (kw - 1) + 1,
+                               in_channels=in_channels,
                                out_channels=out_channels, kernel=kernel_size, stride=stride, padding=padding,
                                padding_mode=padding_mode,
                                dilation=dilation, groups=groups,
@@ -465,7 +467,10 @@ class Conv2dNormActivation(nn.Module):
                 batch = norm.batch_buffers()
                 with torch.no_grad():
                     for running, new in zip(cumulative, batch):
-                        running.lerp_(new, tracked.reciprocal().to(running.dtype))
+                        # 1/count in the statistics' dtype (an int64 tensor's reciprocal is
+                        # float32: 1e-8 off in a float64 module), as nn.BatchNorm2d's
+                        # exponential_average_factor = 1.0 / float(num_batches_tracked)
+                        running.lerp_(new, 1.0 / tracked.to(running.dtype))
         return y
 
 
