@@ -28,7 +28,7 @@ from conv2d.backend import Preallocating, check_options, make_functions
 from conv2d.checks import describe
 from conv2d.spec import DType, LayerSpec, Normalization, _pair
 from conv2d.torch import eager, ops
-from conv2d.torch.calls import choice_now
+from conv2d.torch.calls import choice_now, refuse_function_transforms
 from conv2d.torch.graphs import COUNTS, CallGraphs
 
 _DTYPES = {torch.float64: DType.FLOAT64, torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16,
@@ -155,9 +155,11 @@ class Conv2dNormActivation(nn.Module):
 
     Works in eager mode, under torch.compile (any batch size, `dynamic` or not,
     mode="reduce-overhead" included) and torch.export (the exported program runs wherever conv2d is
-    installed). Refused with a message: torch.jit.trace/script (use torch.compile or
-    torch.export) and torch.func.vmap (batch the input instead). No second derivative: a
-    double backward raises PyTorch's once_differentiable error.
+    installed), and `torch.func.functional_call` (parameters passed in place of the
+    module's). A batch of 0 samples gives nn's empty result. Refused with a message:
+    torch.jit.trace/script (use torch.compile or torch.export), torch.func.vmap (batch the
+    input instead) and torch.func's grad/jacrev/hessian (use torch.autograd.grad). No
+    second derivative: a double backward raises PyTorch's once_differentiable error.
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int] = 3,
@@ -198,6 +200,9 @@ class Conv2dNormActivation(nn.Module):
                                batch_invariant=batch_invariant, negative_slope=negative_slope,
                                elu_alpha=alpha)
         s = self._spec
+        # The least input height and width the dilated kernel fits over the padded input.
+        self._least_hw = tuple(d * (k - 1) + 1 - p - q for d, k, p, q in zip(s.dilation, s.kernel, s.padding,
+                                                                              s.padding_end))
         self.add_module("0", _ConvParameters(in_channels // s.groups, out_channels, s.kernel, bias, device, dtype))
         if s.normalization is not Normalization.NONE:
             self.add_module("1", _BatchNormParameters(out_channels, eps, momentum, device, dtype, affine,
@@ -382,6 +387,13 @@ class Conv2dNormActivation(nn.Module):
         if channels != c:
             want = f"(N, {c}, H, W)" if layout == "NCHW" else f"(N, H, W, {c})"
             raise ValueError(f"x: expected a {layout} tensor of shape {want} ({c} input channels), got {describe(x)}")
+        h, w = (x.shape[2], x.shape[3]) if layout == "NCHW" else (x.shape[1], x.shape[2])
+        least = self._least_hw
+        if h < least[0] or w < least[1]:
+            s = self._spec
+            raise ValueError(f"x: expected a {layout} tensor of height >= {max(least[0], 1)} and width >= "
+                             f"{max(least[1], 1)} (the kernel {s.kernel}, dilated by {s.dilation}, over the padded "
+                             f"input), got {describe(x)}")
 
     def _eager_call(self, x: torch.Tensor, params: tuple, running_mean: Optional[torch.Tensor],
                     running_var: Optional[torch.Tensor], training: bool, nchw: bool) -> tuple[eager.Call, tuple]:
@@ -416,6 +428,8 @@ class Conv2dNormActivation(nn.Module):
         self._check_input(x, weight)
         training = self._follow_norm(norm)
         nchw = self.layout == "NCHW"
+        if x.shape[0] == 0:
+            return self._empty_batch(x, weight, norm, training, nchw)
         if nchw:
             try:
                 channels_last = x.is_contiguous(memory_format=torch.channels_last)
@@ -441,6 +455,7 @@ class Conv2dNormActivation(nn.Module):
             kept = running_mean, running_var
             running_mean, running_var = norm.batch_buffers()
         if type(x) is torch.Tensor and type(weight) in _PLAIN and not torch.compiler.is_compiling():
+            refuse_function_transforms(x, weight)
             call, params = self._eager_call(x, (weight, bias, gamma, beta), running_mean, running_var, training, nchw)
             y = eager.run(x, params, running_mean, running_var, call)
         else:
@@ -454,6 +469,22 @@ class Conv2dNormActivation(nn.Module):
             return self._counted(y, norm, running_mean, training, kept if cumulative else None)
         return self._counted(y.permute(0, 3, 1, 2) if nchw else y, norm, running_mean, training,
                              kept if cumulative else None)
+
+    def _empty_batch(self, x: torch.Tensor, weight: torch.Tensor, norm: nn.Module | None, training: bool,
+                     nchw: bool) -> torch.Tensor:
+        """nn's answer to a batch of 0 samples: an empty y of the layout's shape, zero
+        gradients for what requires one, the running statistics unchanged and a training
+        batch counted (nn.BatchNorm2d counts it too)."""
+        h, w = (x.shape[2], x.shape[3]) if nchw else (x.shape[1], x.shape[2])
+        _, oh, ow, oc = self._spec.at(1, h, w).output_shape
+        y = x.new_zeros((0, oc, oh, ow)).contiguous(memory_format=torch.channels_last) if nchw else x.new_zeros(
+            (0, oh, ow, oc))
+        live = [t for t in (x, *self.parameters()) if t.requires_grad]
+        if torch.is_grad_enabled() and live:
+            y = y + sum(t.sum() for t in live) * 0  # an autograd path to each: zero gradients, as nn gives
+        if training and isinstance(norm, nn.BatchNorm2d) and norm.track_running_stats:
+            _member(norm, "num_batches_tracked").add_(1)
+        return y
 
     def _counted(self, y: torch.Tensor, norm: nn.Module | None, running_mean: Optional[torch.Tensor], training: bool,
                  cumulative: Optional[tuple] = None) -> torch.Tensor:
