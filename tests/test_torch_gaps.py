@@ -74,3 +74,29 @@ def test_torch_func_transforms_are_refused_naming_what_to_use(transform):
            (lambda: torch.func.grad(lambda p: torch.func.functional_call(module, p, (x,)).sum())(params)))
     with pytest.raises(NotImplementedError, match="torch.func transforms.*use torch.autograd.grad"):
         run()
+
+
+@pytest.mark.parametrize("norm", ["batch_norm", "layer_norm", "none"])
+def test_under_autocast_the_module_computes_and_returns_the_autocast_dtype_as_nn_does(norm):
+    torch.manual_seed(0)
+    ours = Conv2dNormActivation(3, 4, 3, padding=1, norm=norm)
+    theirs = reference_sequential(ours)
+    x = torch.randn(2, 3, 6, 6).contiguous(memory_format=torch.channels_last)
+    xo, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, want = ours(xo), theirs(xt)
+    assert y.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want.float(), rtol=1e-2, atol=1e-2)
+    y.float().sum().backward()
+    want.float().sum().backward()
+    # gradients reach the float32 leaves through autocast's casts, in their dtypes
+    assert xo.grad.dtype == torch.float32 and ours.conv.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(xo.grad, xt.grad, rtol=2e-2, atol=2e-2)
+    if norm != "none":  # the norm's statistics and parameters stay float32
+        assert ours.norm.weight.dtype == ours.norm.weight.grad.dtype == torch.float32
+
+
+def test_autocast_leaves_a_float64_module_in_float64():
+    module = Conv2dNormActivation(3, 4, 3, padding=1).double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert module(torch.randn(2, 3, 6, 6, dtype=torch.float64)).dtype == torch.float64

@@ -156,7 +156,9 @@ class Conv2dNormActivation(nn.Module):
     Works in eager mode, under torch.compile (any batch size, `dynamic` or not,
     mode="reduce-overhead" included) and torch.export (the exported program runs wherever conv2d is
     installed), and `torch.func.functional_call` (parameters passed in place of the
-    module's). A batch of 0 samples gives nn's empty result. Refused with a message:
+    module's). A batch of 0 samples gives nn's empty result. Under `torch.autocast` the
+    convolution runs in the autocast dtype (x, weight and bias cast, as nn.Conv2d's) and
+    y comes back in it, the norm's parameters and statistics in float32. Refused with a message:
     torch.jit.trace/script (use torch.compile or torch.export), torch.func.vmap (batch the
     input instead) and torch.func's grad/jacrev/hessian (use torch.autograd.grad). No
     second derivative: a double backward raises PyTorch's once_differentiable error.
@@ -425,6 +427,9 @@ class Conv2dNormActivation(nn.Module):
                             "use torch.compile, or torch.export for a program to deploy")
         conv, norm = self._modules["0"], self._modules.get("1")
         weight = _member(conv, "weight")
+        cast = _autocast_dtype(x, weight)
+        if cast is not None:  # as nn.Conv2d under torch.autocast: the convolution in its dtype
+            x, weight = x.to(cast), weight.to(cast)
         self._check_input(x, weight)
         training = self._follow_norm(norm)
         nchw = self.layout == "NCHW"
@@ -443,6 +448,8 @@ class Conv2dNormActivation(nn.Module):
         else:
             x = x.contiguous()  # x itself when contiguous
         bias = _member(conv, "bias")
+        if cast is not None and bias is not None:
+            bias = bias.to(cast)
         gamma = beta = running_mean = running_var = None
         if norm is not None:
             gamma, beta = _member(norm, "weight"), _member(norm, "bias")
@@ -518,6 +525,22 @@ def _member(module: nn.Module, name: str) -> Any:
     if name in buffers:
         return buffers[name]
     return getattr(module, name)
+
+
+def _autocast_dtype(x: Any, weight: torch.Tensor) -> Any:
+    """The dtype `torch.autocast` runs a convolution in on x's device where it is on and
+    casts it (floating-point x and weight, not yet both of that dtype), else None. The
+    norm's parameters and statistics stay float32, as the type policy keeps them for 16-bit
+    layers and autocast keeps batch norm's."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return None
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    if x.dtype == dtype and weight.dtype == dtype or torch.float64 in (x.dtype, weight.dtype):
+        return None  # autocast leaves float64 as it is
+    return dtype
 
 
 def _layer_momentum(momentum: float | None) -> float:
