@@ -64,6 +64,22 @@ def refuse_function_transforms(*tensors: Optional[Tensor]) -> None:
                                   "with replaced parameters works)")
 
 
+def autocast_dtype(x: Any, weight: Tensor) -> Any:
+    """The dtype `torch.autocast` runs a convolution in on x's device where it is on and
+    casts it (floating-point x and weight, not yet both of that dtype), else None. The
+    norm's parameters and statistics stay float32, as the type policy keeps them for 16-bit
+    layers and autocast keeps batch norm's."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return None
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    if x.dtype == dtype and weight.dtype == dtype or torch.float64 in (x.dtype, weight.dtype):
+        return None  # autocast leaves float64 as it is
+    return dtype
+
+
 def torch_uses_tf32() -> bool:
     """Whether PyTorch runs its own float32 cuDNN convolutions in TF32 now. Where the
     installed torch has the `fp32_precision` settings: the first of

@@ -28,7 +28,7 @@ from conv2d.backend import Preallocating, check_options, make_functions
 from conv2d.checks import describe
 from conv2d.spec import DType, LayerSpec, Normalization, _pair
 from conv2d.torch import eager, ops
-from conv2d.torch.calls import choice_now, refuse_function_transforms
+from conv2d.torch.calls import autocast_dtype, choice_now, refuse_function_transforms
 from conv2d.torch.graphs import COUNTS, CallGraphs
 
 _DTYPES = {torch.float64: DType.FLOAT64, torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16,
@@ -427,7 +427,7 @@ class Conv2dNormActivation(nn.Module):
                             "use torch.compile, or torch.export for a program to deploy")
         conv, norm = self._modules["0"], self._modules.get("1")
         weight = _member(conv, "weight")
-        cast = _autocast_dtype(x, weight)
+        cast = autocast_dtype(x, weight)
         if cast is not None:  # as nn.Conv2d under torch.autocast: the convolution in its dtype
             x, weight = x.to(cast), weight.to(cast)
         self._check_input(x, weight)
@@ -525,22 +525,6 @@ def _member(module: nn.Module, name: str) -> Any:
     if name in buffers:
         return buffers[name]
     return getattr(module, name)
-
-
-def _autocast_dtype(x: Any, weight: torch.Tensor) -> Any:
-    """The dtype `torch.autocast` runs a convolution in on x's device where it is on and
-    casts it (floating-point x and weight, not yet both of that dtype), else None. The
-    norm's parameters and statistics stay float32, as the type policy keeps them for 16-bit
-    layers and autocast keeps batch norm's."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        return None
-    device = x.device.type
-    if not torch.is_autocast_enabled(device):
-        return None
-    dtype = torch.get_autocast_dtype(device)
-    if x.dtype == dtype and weight.dtype == dtype or torch.float64 in (x.dtype, weight.dtype):
-        return None  # autocast leaves float64 as it is
-    return dtype
 
 
 def _layer_momentum(momentum: float | None) -> float:
