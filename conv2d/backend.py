@@ -206,9 +206,21 @@ class Backend:
         """Whether two of this backend's streams are one."""
         return a is b
 
+    def check_options(self, options: Any) -> dict[str, Any]:
+        """`options` as a dict after checking that this backend takes every key."""
+        if options is None:
+            return {}
+        if not isinstance(options, dict):
+            raise TypeError(f"backend_options: expected a dict of the {self.name} backend's options, got "
+                            f"{type(options).__name__}")
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise TypeError(f"backend_options: the {self.name} backend takes {list(self.options)}; unknown {unknown}")
+        return dict(options)
+
     def make(self, spec: LayerSpec, **options: Any) -> Functions:
         """The functions for `spec`, with `options` (checked by name first)."""
-        check_options(self.name, options)
+        self.check_options(options)
         factory = self.functions
         if isinstance(factory, str):
             module, attr = factory.split(":")
@@ -245,16 +257,7 @@ def get(name: str) -> Backend:
 
 def check_options(name: str, options: Any) -> dict[str, Any]:
     """`options` as a dict after checking that backend `name` takes every key."""
-    if options is None:
-        return {}
-    if not isinstance(options, dict):
-        raise TypeError(f"backend_options: expected a dict of the {name} backend's options, got "
-                        f"{type(options).__name__}")
-    known = get(name).options
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise TypeError(f"backend_options: the {name} backend takes {list(known)}; unknown {unknown}")
-    return dict(options)
+    return get(name).check_options(options)
 
 
 def register_backend(name: str, factory: str | Callable[..., Functions] | Backend,

@@ -137,8 +137,9 @@ def open_regular(where: str, path: str | os.PathLike) -> BinaryIO:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{where}: expected a str or os.PathLike path, got {type(path).__name__}")
     name = os.fspath(path)
-    shown = repr(name if isinstance(name, str) else os.fsdecode(name))
-    if "\0" in (name if isinstance(name, str) else os.fsdecode(name)):
+    text = name if isinstance(name, str) else os.fsdecode(name)
+    shown = repr(text)
+    if "\0" in text:
         raise ValueError(f"{where}: {shown} holds a NUL byte, which no file name can")
     try:
         fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))

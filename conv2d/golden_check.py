@@ -28,15 +28,17 @@ def _reason(name: str) -> str | None:
     return None if reason is None else reason.split(";")[0]
 
 
+def _usage(parser: argparse.ArgumentParser | None, message: str) -> None:
+    """A usage error: argparse's (exit status 2) from the command line, else a ValueError."""
+    if parser is not None:
+        parser.error(message)  # exits 2
+    raise ValueError(message)
+
+
 def _backends(args: argparse.Namespace, parser: argparse.ArgumentParser | None) -> list[str] | None:
     """The backends to check, or None after printing why the command cannot run: by default
     every registered one, each that cannot run here skipped with the reason; a list given
     must name known backends, each of which must run here."""
-    def usage(message: str) -> None:
-        if parser is not None:
-            parser.error(message)  # exits 2
-        raise ValueError(message)
-
     known = backends_module.backend_names()
     if args.backends is None:
         here = []
@@ -50,7 +52,7 @@ def _backends(args: argparse.Namespace, parser: argparse.ArgumentParser | None) 
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in wanted if b not in known]
     if not wanted or unknown:
-        usage(f"--backends: expected a comma list of {', '.join(known)}, got {args.backends!r}")
+        _usage(parser, f"--backends: expected a comma list of {', '.join(known)}, got {args.backends!r}")
     for name in dict.fromkeys(wanted):
         reason = _reason(name)
         if reason is not None:
@@ -69,10 +71,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     given = getattr(args, "specs", "")
     wanted = [name.strip() for name in given.split(",") if name.strip()]
     if given.strip() and not wanted:  # as --backends: a list given must name something
-        message = f"--specs: expected a comma list of golden spec names, got {given!r}"
-        if parser is not None:
-            parser.error(message)  # exits 2
-        raise ValueError(message)
+        _usage(parser, f"--specs: expected a comma list of golden spec names, got {given!r}")
     known = [path.stem for path in files]
     unknown = [name for name in wanted if name not in known]
     if unknown:

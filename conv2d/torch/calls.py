@@ -51,12 +51,16 @@ def first_order_only(backward: Callable[..., tuple]) -> Callable[..., tuple]:
     return wrapper
 
 
+# Looked up once: the call is on every eager call's path (None where torch lacks it).
+_FUNCTORCH_WRAPPED = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+
+
 def refuse_function_transforms(*tensors: Optional[Tensor]) -> None:
     """NotImplementedError, naming what works instead, for tensors of a torch.func transform
     (grad, jacrev, hessian, ...): the module's calls run outside autograd's dispatcher, on
     the tensors' memory, which a transform's wrappers do not have. The one place the
     module asks functorch (a private torch API) whether a tensor is wrapped."""
-    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    wrapped = _FUNCTORCH_WRAPPED
     if wrapped is not None and any(t is not None and wrapped(t) for t in tensors):
         raise NotImplementedError("torch.func transforms (grad, jacrev, hessian, vmap): Conv2dNormActivation runs "
                                   "outside autograd's dispatcher and takes no transform's tensors; use "

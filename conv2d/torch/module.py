@@ -389,7 +389,7 @@ class Conv2dNormActivation(nn.Module):
         if channels != c:
             want = f"(N, {c}, H, W)" if layout == "NCHW" else f"(N, H, W, {c})"
             raise ValueError(f"x: expected a {layout} tensor of shape {want} ({c} input channels), got {describe(x)}")
-        h, w = (x.shape[2], x.shape[3]) if layout == "NCHW" else (x.shape[1], x.shape[2])
+        h, w = _height_width(x, layout == "NCHW")
         least = self._least_hw
         if h < least[0] or w < least[1]:
             s = self._spec
@@ -434,7 +434,7 @@ class Conv2dNormActivation(nn.Module):
         training = self._follow_norm(norm)
         nchw = self.layout == "NCHW"
         if x.shape[0] == 0:
-            return self._empty_batch(x, weight, norm, training, nchw)
+            return self._empty_batch(x, norm, training, nchw)
         if nchw:
             try:
                 channels_last = x.is_contiguous(memory_format=torch.channels_last)
@@ -477,13 +477,11 @@ class Conv2dNormActivation(nn.Module):
         return self._counted(y.permute(0, 3, 1, 2) if nchw else y, norm, running_mean, training,
                              kept if cumulative else None)
 
-    def _empty_batch(self, x: torch.Tensor, weight: torch.Tensor, norm: nn.Module | None, training: bool,
-                     nchw: bool) -> torch.Tensor:
+    def _empty_batch(self, x: torch.Tensor, norm: nn.Module | None, training: bool, nchw: bool) -> torch.Tensor:
         """nn's answer to a batch of 0 samples: an empty y of the layout's shape, zero
         gradients for what requires one, the running statistics unchanged and a training
         batch counted (nn.BatchNorm2d counts it too)."""
-        h, w = (x.shape[2], x.shape[3]) if nchw else (x.shape[1], x.shape[2])
-        _, oh, ow, oc = self._spec.at(1, h, w).output_shape
+        _, oh, ow, oc = self._spec.at(1, *_height_width(x, nchw)).output_shape
         y = x.new_zeros((0, oc, oh, ow)).contiguous(memory_format=torch.channels_last) if nchw else x.new_zeros(
             (0, oh, ow, oc))
         live = [t for t in (x, *self.parameters()) if t.requires_grad]
@@ -525,6 +523,11 @@ def _member(module: nn.Module, name: str) -> Any:
     if name in buffers:
         return buffers[name]
     return getattr(module, name)
+
+
+def _height_width(x: torch.Tensor, nchw: bool) -> tuple[int, int]:
+    """x's (H, W) in the module's layout: (N, C, H, W) or (N, H, W, C)."""
+    return (x.shape[2], x.shape[3]) if nchw else (x.shape[1], x.shape[2])
 
 
 def _layer_momentum(momentum: float | None) -> float:
