@@ -240,6 +240,7 @@ class _Registered(Backend):
 # install never imports the GPU stack).
 _REGISTRY: dict[str, str | Backend] = {
     "reference": "conv2d.reference.declared:ReferenceBackend",
+    "cpu": "conv2d.cpu.declared:CpuBackend",
     "cuda": "conv2d.cuda.declared:CudaBackend",
 }
 

@@ -12,15 +12,15 @@ from conftest import HAVE_GPU, make_layer, random_inputs, spec_for
 from conv2d.arrays import to_host
 from conv2d.dtypes import storage_dtype
 
-BACKENDS = ["reference", "cuda"]
+BACKENDS = ["reference", "cpu", "cuda"]
 NORMS = ["none", "batch_norm", "layer_norm"]
 
 
 def functional_spec(norm="batch_norm", backend="reference", **fields):
-    """This file's layer (N=4, 5x4, 2 -> 3 channels, tanh), float64 on the reference
-    backend and float32 on the CUDA one; `fields` set any other field."""
+    """This file's layer (N=4, 5x4, 2 -> 3 channels, tanh), float64 on the host backends
+    and float32 on the CUDA one; `fields` set any other field."""
     fields = dict(dict(batch_size=4, in_height=5, in_width=4, in_channels=2, out_channels=3, activation="tanh",
-                       dtype="float64" if backend == "reference" else "float32"), **fields)
+                       dtype="float32" if backend == "cuda" else "float64"), **fields)
     return spec_for(normalization=norm, **fields)
 
 
@@ -31,7 +31,7 @@ def layer_on(backend, spec, seed=0):
             return make_layer(spec, seed, backend="cuda")
         from host_convolutions import HostConvolutions
         return make_layer(spec, seed, backend="cuda", convolutions=HostConvolutions)
-    return make_layer(spec, seed)
+    return make_layer(spec, seed, backend=backend)
 
 
 def inputs_at(spec, n, seed=1):

@@ -1,4 +1,4 @@
-"""Both backends provide every function of the declared contract (conv2d.backend.Functions),
+"""Every backend provides every function of the declared contract (conv2d.backend.Functions),
 with its parameter names, order and defaults; the CUDA backend also the preallocating
 extension (conv2d.backend.Preallocating) that conv2d.torch asks for. A third backend reads
 what to provide from the same declaration."""
@@ -39,7 +39,7 @@ def test_the_contract_names_every_function_a_layer_and_the_optimizers_call():
             "from_host", "write", "read", "zero"} <= set(CONTRACT)
 
 
-@pytest.mark.parametrize("name, protocol", [("reference", "Functions"), ("cuda", "Functions"),
+@pytest.mark.parametrize("name, protocol", [("reference", "Functions"), ("cpu", "Functions"), ("cuda", "Functions"),
                                             ("cuda", "Preallocating")])
 def test_a_backend_provides_each_contract_function_with_its_parameters(name, protocol):
     declared = getattr(backend, protocol)

@@ -28,9 +28,9 @@ GPU = pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
 
 
 def backends_and_dtypes():
-    """(backend, dtype) pairs: the reference in every dtype, the CUDA backend (GPU) in
-    those it has (no float64)."""
-    return [pytest.param("reference", d, id=f"reference-{d}") for d in DTYPES] + \
+    """(backend, dtype) pairs: the host backends (reference, cpu) in every dtype, the CUDA
+    backend (GPU) in those it has (no float64)."""
+    return [pytest.param(b, d, id=f"{b}-{d}") for b in ("reference", "cpu") for d in DTYPES] + \
         [pytest.param("cuda", d, id=f"cuda-{d}", marks=GPU) for d in DTYPES if d != "float64"]
 
 

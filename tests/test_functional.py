@@ -223,12 +223,12 @@ def _swap_weights(params, replacement, how):
 
 
 @pytest.mark.parametrize("how", ["new array in the dict", "tensor.data replaced"])
-def test_the_reference_functions_read_weights_replaced_between_calls(how):
-    """The reference Functions check and view the same dicts of the same arrays once; an
+def test_the_cpu_functions_read_weights_replaced_between_calls(how):
+    """The cpu Functions check and view the same dicts of the same arrays once; an
     array replaced in the dict, or a tensor given other memory, is read anew."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
     spec = functional_spec("none")
-    layer = make_layer(spec)
+    layer = make_layer(spec, backend="cpu")
     params = {k: torch.from_numpy(v.copy()) for k, v in layer.state_dict().items()}
     x, _ = inputs_at(spec, 2)
     fn = layer.functions
@@ -244,17 +244,29 @@ def _count_checks(monkeypatch):
     from conv2d.reference import functional as ref
 
     calls = []
-    real = ref._check_params
-    monkeypatch.setattr(ref, "_check_params", lambda *a: calls.append(1) or real(*a))
+    real = ref.check_params
+    monkeypatch.setattr(ref, "check_params", lambda *a: calls.append(1) or real(*a))
     return calls
 
 
+def test_the_reference_checks_the_parameters_at_every_call(monkeypatch):
+    """The oracle keeps no cache: the same dicts of the same arrays are checked each call."""
+    spec = functional_spec("none")
+    layer = make_layer(spec)
+    params = layer.state_dict()
+    x, _ = inputs_at(spec, 2)
+    calls = _count_checks(monkeypatch)
+    for _ in range(3):
+        layer.functions.evaluate(params, x)
+    assert len(calls) == 3
+
+
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
-def test_the_reference_functions_check_new_dicts_of_views_over_the_same_memory_once(lib, monkeypatch):
+def test_the_cpu_functions_check_new_dicts_of_views_over_the_same_memory_once(lib, monkeypatch):
     """New dicts of new array objects over the memory of an earlier call's (what the
     registered torch ops hand over under torch.compile) are checked once, not every call."""
     spec = functional_spec("batch_norm")
-    layer = make_layer(spec)
+    layer = make_layer(spec, backend="cpu")
     params, running = split_state(layer.state_dict())
     if lib == "torch":
         torch = pytest.importorskip("torch", reason="torch is not installed")
@@ -270,9 +282,9 @@ def test_the_reference_functions_check_new_dicts_of_views_over_the_same_memory_o
     assert len(calls) == 1
 
 
-def test_the_reference_functions_check_a_new_dict_over_other_memory_anew(monkeypatch):
+def test_the_cpu_functions_check_a_new_dict_over_other_memory_anew(monkeypatch):
     spec = functional_spec("none")
-    layer = make_layer(spec)
+    layer = make_layer(spec, backend="cpu")
     params = layer.state_dict()
     x, _ = inputs_at(spec, 2)
     calls = _count_checks(monkeypatch)
@@ -282,11 +294,11 @@ def test_the_reference_functions_check_a_new_dict_over_other_memory_anew(monkeyp
     assert len(calls) == 2
 
 
-def test_the_reference_functions_refuse_an_array_reshaped_in_place_after_a_call_by_memory():
+def test_the_cpu_functions_refuse_an_array_reshaped_in_place_after_a_call_by_memory():
     """A view kept by the address cache is not the caller's object: reshaping the caller's
     array in place is seen, and a new array of the old shape at that address still works."""
     spec = functional_spec("none")
-    layer = make_layer(spec)
+    layer = make_layer(spec, backend="cpu")
     params = layer.state_dict()
     x, _ = inputs_at(spec, 2)
     first = layer.functions.evaluate(dict(params), x)
@@ -298,9 +310,9 @@ def test_the_reference_functions_refuse_an_array_reshaped_in_place_after_a_call_
                                   first)
 
 
-def test_the_reference_functions_refuse_an_array_reshaped_in_place_after_a_good_call():
+def test_the_cpu_functions_refuse_an_array_reshaped_in_place_after_a_good_call():
     spec = functional_spec("none")
-    layer = make_layer(spec)
+    layer = make_layer(spec, backend="cpu")
     params = layer.state_dict()
     x, _ = inputs_at(spec, 2)
     layer.functions.evaluate(params, x)
@@ -309,9 +321,9 @@ def test_the_reference_functions_refuse_an_array_reshaped_in_place_after_a_good_
         layer.functions.evaluate(params, x)
 
 
-def test_the_reference_functions_still_want_running_statistics_where_a_cached_call_did_not():
+def test_the_cpu_functions_still_want_running_statistics_where_a_cached_call_did_not():
     spec = functional_spec("batch_norm")
-    layer = make_layer(spec)
+    layer = make_layer(spec, backend="cpu")
     params, _ = split_state(layer.state_dict())
     x, _ = inputs_at(spec, 2)
     layer.functions.forward(params, x, True)  # training: batch statistics, running optional
@@ -504,21 +516,20 @@ def test_the_bias_gradient_sums_d_z_as_stored_in_the_storage_dtype():
     np.testing.assert_array_equal(grads["bias"], rounded)
 
 
-@pytest.mark.parametrize("blocks", [0.01, 1, 1.5, 3])
-def test_the_references_row_sums_add_in_float64_in_one_block_or_several(blocks):
-    """norm.wide_row_sums, under every statistic and parameter gradient of the reference:
-    float64 sums of float32 rows whether the rows fit one BLAS block or take several
-    (float32 sums of these rows are off by about 1e-7 of the column sums)."""
+@pytest.mark.parametrize("chunks", [0.01, 1, 1.5, 3])
+def test_the_cpu_column_sums_add_in_float64_in_one_chunk_or_several(chunks):
+    """conv2d.cpu.kernels.column_sums, under every statistic and parameter gradient of the
+    cpu backend: float64 sums of float32 rows (float32 sums of these rows are off by about
+    1e-7 of the column sums), over one fixed chunk of rows or several."""
     import math
 
-    from conv2d.reference import norm
+    pytest.importorskip("numba", reason="numba is not installed (the test extra brings it)")
+    from conv2d.cpu import kernels
 
-    channels = 16
-    rows = max(1, int(blocks * norm.WIDE_BLOCK // channels))
-    a = (np.random.default_rng(rows).standard_normal((rows, channels)) * 1e3 + 1e4).astype(np.float32)
-    got = norm.wide_row_sums(a)
+    rows = max(1, int(chunks * kernels.CHUNK_ROWS))
+    a = (np.random.default_rng(rows).standard_normal((rows, 16)) * 1e3 + 1e4).astype(np.float32)
+    sums, squares = kernels.column_sums(a, np.zeros(16))
     exact = np.array([math.fsum(column) for column in a.astype(np.float64).T])
-    assert got.dtype == np.float64
-    np.testing.assert_allclose(got, exact, rtol=1e-13)
-    got[...] = 0  # the result is the caller's: the next sum starts afresh
-    np.testing.assert_allclose(norm.wide_row_sums(a), exact, rtol=1e-13)
+    assert sums.dtype == np.float64
+    np.testing.assert_allclose(sums, exact, rtol=1e-13)
+    np.testing.assert_allclose(squares, [math.fsum(column ** 2) for column in a.astype(np.float64).T], rtol=1e-13)

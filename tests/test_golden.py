@@ -1,4 +1,4 @@
-"""The reference backend reproduces the PyTorch-float64 golden files at every dtype."""
+"""The host backends (the reference and cpu) reproduce the PyTorch-float64 golden files at every dtype."""
 
 import pytest
 
@@ -13,9 +13,10 @@ def test_golden_files_are_present():
     assert len(FILES) >= 12, f"expected >= 12 golden files in tests/golden, found {len(FILES)}"
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
-def test_reference_matches_golden(path, dtype, mode):
+def test_host_backends_match_golden(path, dtype, mode, backend):
     case = load_case(path)
-    check_case(case, run_case(case, dtype, mode), dtype, mode)
+    check_case(case, run_case(case, dtype, mode, backend), dtype, mode)

@@ -1,5 +1,5 @@
-"""PyTorch's convolution options in random combinations (Hypothesis): the reference backend
-in float64 against PyTorch's autograd in float64 (conv2d.testing.torch_oracle), forward
+"""PyTorch's convolution options in random combinations (Hypothesis): each host backend (the
+reference and cpu) in float64 against PyTorch's autograd in float64 (conv2d.testing.torch_oracle), forward
 in training and eval, d_x, every parameter gradient and the running statistics."""
 
 import numpy as np
@@ -54,12 +54,13 @@ def specs(draw):
         assume(False)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.filter_too_much])
 @given(spec=specs(), training=st.booleans())
-def test_random_option_combinations_match_pytorch_in_float64(spec, training):
+def test_random_option_combinations_match_pytorch_in_float64(backend, spec, training):
     if spec.batch_statistics(training) and spec.normalization.value == "batch_norm":
         assume(spec.batch_size * spec.out_height * spec.out_width > 1)  # a variance needs two values
-    layer = make_layer(spec, seed=1)
+    layer = make_layer(spec, seed=1, backend=backend)
     x, d_y = random_inputs(spec, seed=2)
     want = torch_oracle.run(spec, layer.state_dict(), x, d_y, training)
     np.testing.assert_allclose(layer.forward(x, training=training), want["y"], rtol=1e-10, atol=1e-12)

@@ -5,8 +5,8 @@ All arrays NHWC and C-contiguous, in one float dtype (the caller's compute dtype
 spaces the kernel's taps; with `groups`, channel group g of x (C / groups channels) makes
 output channels group g (OC / groups) with its own weights, one convolution a group. The forward and
 backward-filter convolutions are a strided window view of the padded input and one
-matrix product per block of samples; backward-data is one product per kernel tap and
-block. BLAS does the work.
+matrix product over the whole batch; backward-data is one product per kernel tap. The
+plain formulas: the fast CPU backend's (conv2d/cpu/conv.py) are checked against these.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from conv2d.padding import sources
-from conv2d.reference.norm import wide_sum
 
 
 Pads = tuple[tuple[int, int], tuple[int, int]]
@@ -34,13 +33,6 @@ def pad(x: np.ndarray, padding: tuple, mode: str = "zeros") -> np.ndarray:
     """(N, H, W, C) -> (N, top + H + bottom, left + W + right, C), padded as `mode` says
     (LayerSpec.padding_mode); `x` itself when there is no padding."""
     (top, bottom), (left, right) = pads_of(padding)
-    if top == bottom == left == right == 0:
-        return x
-    if mode == "zeros":  # np.pad's generality costs ~25 us a call, the layer's own time on small inputs
-        n, h, w, c = x.shape
-        xp = np.zeros((n, top + h + bottom, left + w + right, c), x.dtype)
-        xp[:, top:top + h, left:left + w] = x
-        return xp
     return np.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)), mode=_NUMPY_MODES[mode])
 
 
@@ -83,25 +75,15 @@ def _by_group(groups: int, run, a: np.ndarray, b: np.ndarray, a_axis: int, b_axi
     return np.concatenate([run(np.ascontiguousarray(p), np.ascontiguousarray(q)) for p, q in parts], axis=-1)
 
 
-# Samples per im2col block: the copied windows of one block stay near this many bytes, so
-# they are written and read back from cache, not memory (measured ~2x faster on the
-# ResNet shapes than one whole-batch copy), and peak memory stays bounded.
-BLOCK_BYTES = 4 << 20
-
-
-def _block_samples(bytes_per_sample: int) -> int:
-    """How many samples make one block of about BLOCK_BYTES (at least one)."""
-    return max(1, BLOCK_BYTES // max(1, bytes_per_sample))
-
-
 def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
                  padding: tuple, per_sample: bool = False, dilation: tuple[int, int] = (1, 1),
                  groups: int = 1, mode: str = "zeros") -> np.ndarray:
     """y[n, oh, ow, oc] = sum_{kh, kw, c} xp[n, oh*SH + kh, ow*SW + kw, c] * w[oc, kh, kw, c].
 
     `per_sample`: one matrix product a sample, of the same shape whatever N: BLAS picks its
-    kernel (and so its summation order) by the product's shape, so blocks of samples give
-    a sample other bits at another batch size; one sample at a time gives it the same."""
+    kernel (and so its summation order) by the product's shape, so a product over the
+    batch gives a sample other bits at another batch size; one sample at a time gives it
+    the same."""
     if groups > 1:
         return _by_group(groups, lambda xg, wg: conv_forward(xg, wg, stride, padding, per_sample, dilation,
                                                              mode=mode), x, w, 3, 0)
@@ -110,7 +92,7 @@ def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
     n, oh, ow = cols.shape[:3]
     w_t = w.reshape(oc, kh * kw * c).T
     y = np.empty((n, oh, ow, oc), dtype=np.result_type(x, w))
-    step = 1 if per_sample else _block_samples(oh * ow * kh * kw * c * x.itemsize)
+    step = 1 if per_sample else max(n, 1)
     for i in range(0, n, step):
         # The reshape copies the overlapping windows into one matrix (im2col).
         block = cols[i:i + step].reshape(-1, kh * kw * c)
@@ -132,10 +114,7 @@ def conv_backward_filter(x: np.ndarray, d_z: np.ndarray, kernel: tuple[int, int]
     kh, kw = kernel
     c = x.shape[3]
     cols = windows(pad(x, padding, mode), kernel, stride, dilation)
-    d_w = np.zeros((oc, kh * kw * c), dtype=np.result_type(x, d_z))
-    step = _block_samples(oh * ow * kh * kw * c * x.itemsize)
-    for i in range(0, n, step):
-        d_w += d_z[i:i + step].reshape(-1, oc).T @ cols[i:i + step].reshape(-1, kh * kw * c)
+    d_w = d_z.reshape(-1, oc).T @ cols.reshape(-1, kh * kw * c)
     return d_w.reshape(oc, kh, kw, c)
 
 
@@ -146,9 +125,7 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
 
     For each of the KH*KW kernel taps, one matrix product d_z @ w[:, kh, kw, :] gives that
     tap's contribution, contiguous (N, OH, OW, C), added into the padded gradient with
-    one strided add; a single product followed by strided reads of its (KH, KW) slices
-    was measured 2-7x slower. Blocks of samples keep the adds in cache; `per_sample`:
-    blocks of one sample, as in `conv_forward`.
+    one strided add. `per_sample`: one sample at a time, as in `conv_forward`.
     """
     if groups > 1:
         return _by_group(groups, lambda wg, dg: conv_backward_data(wg, dg, input_hw, stride, padding, per_sample,
@@ -161,16 +138,7 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
     h, w_in = input_hw
     hp, wp = h + top_pad + bottom_pad, w_in + left_pad + right_pad
     d_xp = np.zeros((n, hp, wp, c), dtype=np.result_type(w, d_z))
-    if oh == 1 and ow == 1:
-        # One window (a layer that ends in a 1x1 map): its taps land on distinct input
-        # positions, so one product gives them all, with nothing to add up.
-        w_all = w.reshape(oc, kh * kw * c)
-        taps = d_xp[:, :(kh - 1) * dh + 1:dh, :(kw - 1) * dw + 1:dw, :]
-        step = 1 if per_sample else n
-        for b in range(0, n, step):
-            taps[b:b + step] = (d_z[b:b + step].reshape(-1, oc) @ w_all).reshape(-1, kh, kw, c)
-        return unpad(d_xp, padding, mode, input_hw)
-    step = 1 if per_sample else _block_samples((hp * wp + oh * ow) * c * d_xp.itemsize)
+    step = 1 if per_sample else max(n, 1)
     for b in range(0, n, step):
         rows = d_z[b:b + step].reshape(-1, oc)
         out = d_xp[b:b + step]
@@ -183,5 +151,5 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
 
 
 def bias_backward(d_z: np.ndarray) -> np.ndarray:
-    """d_b[oc] = sum_{n, oh, ow} d_z[n, oh, ow, oc], (OC,)."""
-    return wide_sum(d_z.reshape(-1, d_z.shape[-1]))
+    """d_b[oc] = sum_{n, oh, ow} d_z[n, oh, ow, oc], (OC,), summed in float64, in d_z's dtype."""
+    return d_z.sum(axis=(0, 1, 2), dtype=np.float64).astype(d_z.dtype)

@@ -20,14 +20,13 @@ with a norm "gamma", "beta" (OC,) in the compute dtype; read in place. `running`
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 
 from conv2d import activations
-from conv2d.arrays import TORCH, host_view, library, to_library
+from conv2d.arrays import host_view, to_library
 from conv2d.checks import check_numpy, check_shape_dtype, input_spec
 from conv2d.dtypes import compute_dtype, storage_dtype
 from conv2d.reference import conv, norm, optim
@@ -71,90 +70,9 @@ def _per_sample(fn: Any, *arrays: np.ndarray, **fixed: Any) -> Any:
 
 
 def check_params(spec: LayerSpec, params: Mapping[str, Any], running: Mapping[str, Any] | None,
-                 need_running: bool, cache: dict | None = None
-                 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+                 need_running: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
     """NumPy views of `params` and `running`, each key, shape and dtype as the spec's state
-    layout says (torch CPU tensors are viewed, not copied). With `cache` (a dict that one
-    spec's `Functions` keeps), the views of the same dicts holding the same array objects
-    as an earlier call are that call's, checked once (a layer passes the same dicts every
-    step; checking and viewing them anew cost ~50 us a call, a quarter of a small layer's).
-    New dicts of arrays over the same memory as an earlier call's (same addresses, shapes,
-    strides, dtypes: what torch.compile's graphs and the registered ops hand over, new
-    tensor objects every call) reuse that call's views too: a view depends on nothing else,
-    and the cached views keep that memory alive, so an address seen again is the same
-    memory."""
-    if cache is None:
-        return _check_params(spec, params, running, need_running)
-    key = (id(params), id(running), need_running)
-    found = cache.get(key)
-    if found is not None and _same_arrays(found[0], params) and _same_arrays(found[1], running):
-        return found[2]
-    by_memory = (need_running, _addresses(params), _addresses(running))
-    cacheable = by_memory[1] is not _UNCACHED and by_memory[2] is not _UNCACHED
-    checked = cache.get(by_memory) if cacheable else None
-    if checked is not None:
-        return checked  # new dicts, seen memory: the identity entry would never hit again
-    checked = _check_params(spec, params, running, need_running)
-    if len(cache) >= 16:
-        cache.clear()
-    # The originals are kept (pinning their ids) with the arrays they held.
-    cache[key] = (_snapshot(params), _snapshot(running), checked)
-    if cacheable:
-        cache[by_memory] = checked
-    return checked
-
-
-_UNCACHED = object()  # an argument whose arrays have no address key (checked every call)
-
-
-def _addresses(arrays: Mapping[str, Any] | None) -> Any:
-    """(key, library, address, shape, strides, dtype) of each array of `arrays`, which
-    say all that a view of it depends on; None for None; `_UNCACHED` for anything else
-    than a dict of NumPy arrays and torch CPU tensors (left to the checks to refuse)."""
-    if arrays is None:
-        return None
-    if not isinstance(arrays, Mapping):
-        return _UNCACHED
-    out = []
-    for k, a in arrays.items():
-        if isinstance(a, np.ndarray):
-            out.append((k, "numpy", a.__array_interface__["data"][0], a.shape, a.strides, a.dtype))
-        elif library(a) == TORCH and getattr(a, "is_cpu", False):
-            out.append((k, "torch", a.data_ptr(), a.shape, a.stride(), a.dtype))
-        else:
-            return _UNCACHED
-    return tuple(out)
-
-
-def _snapshot(arrays: Mapping[str, Any] | None) -> tuple | None:
-    if arrays is None:
-        return None
-    return arrays, tuple((k, a, _memory(a)) for k, a in arrays.items())
-
-
-def _memory(a: Any) -> tuple:
-    """What a view of the array object `a` depends on and an in-place change can alter
-    (`a.shape = ...` on a NumPy array; `t.data = ...`, `t.set_()`, `t.resize_()` on a
-    tensor)."""
-    if isinstance(a, np.ndarray):
-        return a.shape, a.strides, a.dtype
-    ptr = getattr(a, "data_ptr", None)
-    return (ptr() if ptr is not None else None), tuple(getattr(a, "shape", ())), getattr(a, "dtype", None), \
-        (a.stride() if ptr is not None else None)
-
-
-def _same_arrays(snapshot: tuple | None, arrays: Mapping[str, Any] | None) -> bool:
-    """Whether `arrays` is the dict of `snapshot`, holding the same array objects over
-    the same memory."""
-    if snapshot is None:
-        return arrays is None
-    kept, items = snapshot
-    return kept is arrays and len(arrays) == len(items) and all(
-        arrays.get(k) is a and _memory(a) == m for k, a, m in items)
-
-
-def _check_params(spec: LayerSpec, params: Mapping[str, Any], running: Mapping[str, Any] | None,
-                  need_running: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+    layout says (torch CPU tensors are viewed, not copied), checked at every call."""
     layout = state_layout(spec)
     views = {}
     for group, arrays, names in (("params", params, [k for k in layout if k not in RUNNING]),
@@ -227,11 +145,18 @@ def _activation_input(spec: LayerSpec, params: dict, z: np.ndarray, mean: np.nda
     return norm.affine(x_hat, params["gamma"], params["beta"]), x_hat
 
 
-@functools.lru_cache(maxsize=256)
-def _layer_differences(call: LayerSpec, spec: LayerSpec) -> tuple:
-    # ((field, (call's, spec's)), ...) but the call fields. Comparing every field costs
-    # ~4 us; a layer's backward asks about the same two specs every step.
+def layer_differences(call: LayerSpec, spec: LayerSpec) -> tuple:
+    """((field, (call's, spec's)), ...): how the layer of a call's spec differs from `spec`,
+    the call fields (N, H, W) aside."""
     return tuple(call.differences(spec, ignore=CALL_FIELDS).items())
+
+
+def check_running_writable(running: dict) -> None:
+    """Refuse read-only running statistics before a training batch norm updates either."""
+    for k, a in running.items():
+        if not a.flags.writeable:
+            raise ValueError(f"running[{k!r}]: a training batch-norm forward updates it in place, got a "
+                             f"read-only array")
 
 
 def check_input(spec: LayerSpec, name: str, x: Any) -> tuple[np.ndarray, str, LayerSpec]:
@@ -244,24 +169,20 @@ def check_input(spec: LayerSpec, name: str, x: Any) -> tuple[np.ndarray, str, La
 
 
 def forward(spec: LayerSpec, params: Mapping[str, Any], x: Any, training: bool,
-            running: Mapping[str, Any] | None = None, cache: dict | None = None) -> tuple[Any, Saved]:
+            running: Mapping[str, Any] | None = None) -> tuple[Any, Saved]:
     """(y (N, OH, OW, OC), saved) for input x (N, H, W, C) at any N, H, W the kernel fits.
 
     Batch norm in training normalises with the batch's statistics and updates `running`
-    in place (if given); otherwise it uses `running`. Layer norm uses each sample's own.
-    `cache`: check_params' (a Functions' own)."""
+    in place (if given); otherwise it uses `running`. Layer norm uses each sample's own."""
     if not isinstance(training, bool):
         raise TypeError(f"training: expected a bool, got {training!r}")
     x, lib, call = check_input(spec, "x", x)
     st = storage_dtype(spec.dtype)
     need_running = spec.normalization is Normalization.BATCH_NORM and not spec.batch_statistics(training)
-    params, running = check_params(spec, params, running, need_running, cache)
+    params, running = check_params(spec, params, running, need_running)
     params = _with_identity_affine(spec, params)
     if running is not None and training and spec.normalization is Normalization.BATCH_NORM:
-        for k, a in running.items():  # both, before either is updated
-            if not a.flags.writeable:
-                raise ValueError(f"running[{k!r}]: a training batch-norm forward updates it in place, got a "
-                                 f"read-only array")
+        check_running_writable(running)
     pre = _pre_activations(call, params, x)
     z = pre.astype(compute_dtype(spec.dtype), copy=False)
     mean = inv_std = None
@@ -290,33 +211,31 @@ def grad_pre_activations(params: dict, saved: Saved, d_y: np.ndarray) -> tuple[n
             d_z = _per_sample(norm.backward_batch_statistics, d_a, x_hat, saved.inv_std, gamma=gamma,
                               axes=_axes(spec))
         else:
-            d_z = norm.backward_batch_statistics(d_a, x_hat, saved.inv_std, gamma, _axes(spec), (d_beta, d_gamma))
+            d_z = norm.backward_batch_statistics(d_a, x_hat, saved.inv_std, gamma, _axes(spec))
     else:
         d_z = norm.backward_fixed_statistics(d_a, saved.inv_std, gamma, _axes(spec))
     return d_z, {"gamma": d_gamma, "beta": d_beta}
 
 
 def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any, want_params: bool = True,
-             want_input: bool = True, accumulate: Mapping[str, Any] | None = None,
-             cache: dict | None = None) -> tuple[Any, Any]:
+             want_input: bool = True, accumulate: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
     """(grads, d_x) of the forward that gave `saved`, for d_y (N, OH, OW, OC) of its shape.
 
     grads: {"weights", "bias", "gamma", "beta"} as the spec has them, new arrays in the
     parameters' dtypes, or, with `accumulate` (arrays of the same keys), added into those
     in place (+=, rounded to their dtype) and returned; None unless `want_params`.
-    d_x (N, H, W, C), new, or None unless `want_input`. `cache`: check_params' (a
-    Functions' own)."""
+    d_x (N, H, W, C), new, or None unless `want_input`."""
     if not isinstance(saved, Saved):
         raise TypeError(f"saved: expected the Saved of a reference forward, got {type(saved).__name__}")
     call = saved.spec
-    other = _layer_differences(call, spec)
+    other = layer_differences(call, spec)
     if other:
         raise ValueError("saved: made by a forward of another layer (" + "; ".join(
             f"{k}: saved's {a!r}, this layer's {b!r}" for k, (a, b) in other) + ")")
     st, ct = storage_dtype(spec.dtype), compute_dtype(spec.dtype)
     d_y, lib = host_view("d_y", d_y)
     check_numpy("d_y", d_y, call.output_shape, st)
-    params, _ = check_params(spec, params, None, False, cache)
+    params, _ = check_params(spec, params, None, False)
     params = _with_identity_affine(spec, params)
     acc = None
     if want_params and accumulate is not None:
@@ -357,7 +276,6 @@ class Functions:
 
     def __init__(self, spec: LayerSpec) -> None:
         self.spec = spec
-        self._checked: dict = {}  # check_params' views of the caller's dicts, by identity
 
     def check_input(self, name: str, x: Any) -> LayerSpec:
         """The call's spec for input `x`, after the checks `forward` makes of it."""
@@ -365,11 +283,11 @@ class Functions:
 
     def forward(self, params: Mapping[str, Any], x: Any, training: bool,
                 running: Mapping[str, Any] | None = None) -> tuple[Any, Saved]:
-        return forward(self.spec, params, x, training, running, self._checked)
+        return forward(self.spec, params, x, training, running)
 
     def evaluate(self, params: Mapping[str, Any], x: Any, running: Mapping[str, Any] | None = None) -> Any:
         """forward(training=False)'s y, keeping nothing."""
-        return forward(self.spec, params, x, False, running, self._checked)[0]
+        return forward(self.spec, params, x, False, running)[0]
 
     def saved(self, x: Any, pre: Any, mean: Any, inv_std: Any, batch_stats: bool) -> Saved:
         """A Saved made of the caller's arrays (a forward's saved values that the caller
@@ -386,7 +304,7 @@ class Functions:
 
     def backward(self, params: Mapping[str, Any], saved: Saved, d_y: Any, want_params: bool = True,
                  want_input: bool = True, accumulate: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
-        return backward(self.spec, params, saved, d_y, want_params, want_input, accumulate, self._checked)
+        return backward(self.spec, params, saved, d_y, want_params, want_input, accumulate)
 
     def pre_activations(self, saved: Saved) -> np.ndarray:
         """A read-only view of the saved pre-activations (N, OH, OW, OC)."""

@@ -8,44 +8,10 @@ layer norm over `LAYER_AXES` (OH, OW, OC), one statistic per sample, shape (N,).
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 BATCH_AXES = (0, 1, 2)
 LAYER_AXES = (1, 2, 3)
-
-
-# Values a block of a wide sum: converted to float64 a block at a time, each block's sums
-# one BLAS matrix-vector product. NumPy's own float64 reduction over the rows of an (M, C)
-# float32 array adds one row of C values at a time, and was 1.3-3x slower on the layers of
-# the README's digits CNN and the bench shapes (2 cores, a one-off timing).
-WIDE_BLOCK = 1 << 15
-
-
-@functools.lru_cache(maxsize=64)
-def _ones(n: int, dtype: np.dtype) -> np.ndarray:
-    # Read-only and shared: a layer sums arrays of the same few lengths every step.
-    ones = np.ones(n, dtype)
-    ones.flags.writeable = False
-    return ones
-
-
-def wide_row_sums(a: np.ndarray) -> np.ndarray:
-    """The sums of an (M, C) array's rows, (C,), in float64 (at least): blocks of rows in
-    order, each block's sum a product with a vector of ones (BLAS takes a transposed view
-    as it is)."""
-    m, c = a.shape
-    dt = np.promote_types(a.dtype, np.float64)
-    rows = max(1, WIDE_BLOCK // max(c, 1))
-    ones = _ones(min(rows, m), dt)
-    if m <= rows:  # one block (a small layer's every sum)
-        return ones @ a.astype(dt, copy=False)
-    total = np.zeros(c, dt)
-    for i in range(0, m, rows):
-        part = a[i:i + rows]
-        total += ones[:part.shape[0]] @ part.astype(dt, copy=False)
-    return total
 
 
 def wide_mean(a: np.ndarray, axes: tuple[int, ...], keepdims: bool = False) -> np.ndarray:
@@ -54,17 +20,14 @@ def wide_mean(a: np.ndarray, axes: tuple[int, ...], keepdims: bool = False) -> n
     rows gathers an error that grows with the count (batch norm in float32 measured
     2.4-2.9x PyTorch's error, scripts/accuracy_cuda.py); float64 sums keep it at one
     float32 rounding."""
-    if axes == BATCH_AXES:
-        sums, count = wide_row_sums(a.reshape(-1, a.shape[-1])), a.size // a.shape[-1]
-    else:
-        sums, count = wide_row_sums(a.reshape(a.shape[0], -1).T), a.size // a.shape[0]  # one sum a sample
-    mean = (sums / count).astype(a.dtype, copy=False)
+    sums = a.sum(axis=axes, dtype=np.promote_types(a.dtype, np.float64))
+    mean = (sums / (a.size // sums.size)).astype(a.dtype, copy=False)
     return expand(mean, axes) if keepdims else mean
 
 
 def wide_sum(a: np.ndarray) -> np.ndarray:
-    """The sums of an (M, C) array's rows in float64 (`wide_row_sums`), in a's dtype."""
-    return wide_row_sums(a).astype(a.dtype, copy=False)
+    """The sums of an (M, C) array's rows, added in float64 (at least), in a's dtype."""
+    return a.sum(axis=0, dtype=np.promote_types(a.dtype, np.float64)).astype(a.dtype, copy=False)
 
 
 def expand(stat: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
@@ -117,25 +80,14 @@ def param_backward(d_out: np.ndarray, x_hat: np.ndarray) -> tuple[np.ndarray, np
 
 
 def backward_batch_statistics(d_out: np.ndarray, x_hat: np.ndarray, inv_std: np.ndarray,
-                              gamma: np.ndarray, axes: tuple[int, ...],
-                              sums: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+                              gamma: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
     """d_z when mean and inv_std were computed from `z` itself over `axes`.
 
     With g = d_out * gamma: d_z = inv_std * (g - mean(g) - x_hat * mean(g * x_hat)).
-    `sums`: batch norm's (sum(d_out), sum(d_out * x_hat)) over N, OH, OW, (OC,) each
-    (`param_backward`'s d_beta and d_gamma): gamma is one value a channel there, so
-    mean(g) = gamma * sum(d_out) / count and mean(g * x_hat) = gamma * sum(d_out * x_hat)
-    / count, without two more passes over the batch (PyTorch's batch-norm backward reuses
-    its two sums the same way). Layer norm's gamma varies within a sample's sums: its
-    means always take the two passes.
     """
     g = d_out * gamma
-    if sums is not None and axes == BATCH_AXES:
-        count = d_out.size // d_out.shape[-1]
-        mean_g, mean_gx = (gamma * (s / s.dtype.type(count)) for s in sums)
-    else:
-        mean_g = wide_mean(g, axes, keepdims=True)
-        mean_gx = wide_mean(g * x_hat, axes, keepdims=True)
+    mean_g = wide_mean(g, axes, keepdims=True)
+    mean_gx = wide_mean(g * x_hat, axes, keepdims=True)
     g -= mean_g
     g -= x_hat * mean_gx
     g *= expand(inv_std, axes)

@@ -1,0 +1,226 @@
+"""Convolution forward, backward-data, backward-filter and the bias gradient of the CPU
+backend: BLAS matrix products (im2col) for dense and grouped convolutions, numba loops
+(conv2d.cpu.kernels) for depthwise ones and the bias gradient. The functions and their
+names are the reference's (conv2d/reference/conv.py), which they are tested against.
+
+All arrays NHWC and C-contiguous, in one float dtype (the caller's compute dtype):
+`x` (N, H, W, C), weights `w` (OC, KH, KW, C / groups), `d_z` (N, OH, OW, OC). `dilation`
+spaces the kernel's taps; with `groups`, channel group g of x (C / groups channels) makes
+output channels group g (OC / groups) with its own weights, one convolution a group. The forward and
+backward-filter convolutions are a strided window view of the padded input and one
+matrix product per block of samples; backward-data is one product per kernel tap and
+block. BLAS does the work. Depthwise convolutions (C / groups = 1) are memory-bound
+loops, one product of a few taps an output, where a matrix product a channel would
+cost more in Python than in arithmetic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from conv2d.cpu import kernels
+from conv2d.padding import sources
+
+
+Pads = tuple[tuple[int, int], tuple[int, int]]
+# PyTorch's padding modes as NumPy's np.pad names them.
+_NUMPY_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
+
+
+def pads_of(padding: tuple) -> Pads:
+    """((top, bottom), (left, right)) from itself or from a symmetric (PH, PW)."""
+    if isinstance(padding[0], tuple):
+        return padding
+    return ((padding[0], padding[0]), (padding[1], padding[1]))
+
+
+def pad(x: np.ndarray, padding: tuple, mode: str = "zeros") -> np.ndarray:
+    """(N, H, W, C) -> (N, top + H + bottom, left + W + right, C), padded as `mode` says
+    (LayerSpec.padding_mode); `x` itself when there is no padding."""
+    (top, bottom), (left, right) = pads_of(padding)
+    if top == bottom == left == right == 0:
+        return x
+    if mode == "zeros":  # np.pad's generality costs ~25 us a call, the layer's own time on small inputs
+        n, h, w, c = x.shape
+        xp = np.zeros((n, top + h + bottom, left + w + right, c), x.dtype)
+        xp[:, top:top + h, left:left + w] = x
+        return xp
+    return np.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)), mode=_NUMPY_MODES[mode])
+
+
+def unpad(d_xp: np.ndarray, padding: tuple, mode: str, input_hw: tuple[int, int]) -> np.ndarray:
+    """The adjoint of `pad`: the gradient (N, H, W, C) of x from that of the padded input,
+    each padded position's gradient added to the input position it copies (in order of
+    the padded positions: rows, then columns)."""
+    (top, bottom), (left, right) = pads_of(padding)
+    h, w = input_hw
+    if mode == "zeros":
+        return np.ascontiguousarray(d_xp[:, top:top + h, left:left + w, :])
+    rows, cols = sources(h, top, bottom, mode), sources(w, left, right, mode)
+    by_rows = np.zeros((d_xp.shape[0], h, d_xp.shape[2], d_xp.shape[3]), dtype=d_xp.dtype)
+    np.add.at(by_rows, (slice(None), rows), d_xp)
+    d_x = np.zeros((d_xp.shape[0], h, w, d_xp.shape[3]), dtype=d_xp.dtype)
+    np.add.at(d_x, (slice(None), slice(None), cols), by_rows)
+    return d_x
+
+
+def windows(xp: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int],
+            dilation: tuple[int, int] = (1, 1)) -> np.ndarray:
+    """Read-only view (N, OH, OW, KH, KW, C) of the padded input `xp` (N, Hp, Wp, C)."""
+    n, hp, wp, c = xp.shape
+    kh, kw = kernel
+    sh, sw = stride
+    dh, dw = dilation
+    oh = (hp - (kh - 1) * dh - 1) // sh + 1
+    ow = (wp - (kw - 1) * dw - 1) // sw + 1
+    s_n, s_h, s_w, s_c = xp.strides
+    return as_strided(xp, shape=(n, oh, ow, kh, kw, c),
+                      strides=(s_n, sh * s_h, sw * s_w, dh * s_h, dw * s_w, s_c), writeable=False)
+
+
+def _depthwise(groups: int, channels: int) -> bool:
+    """Whether a convolution of `channels` input channels in `groups` groups is depthwise
+    (each group one input channel)."""
+    return groups > 1 and groups == channels
+
+
+def _taps(w: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Depthwise weights (OC, KH, KW, 1) as (KH, KW, OC) in `dtype`, contiguous."""
+    return np.ascontiguousarray(np.moveaxis(w[..., 0], 0, -1), dtype=dtype)
+
+
+def _output_size(padded_hw: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int],
+                 dilation: tuple[int, int]) -> tuple[int, int]:
+    return tuple((p - (k - 1) * d - 1) // s + 1 for p, k, s, d in zip(padded_hw, kernel, stride, dilation))
+
+
+def _by_group(groups: int, run, a: np.ndarray, b: np.ndarray, a_axis: int, b_axis: int) -> np.ndarray:
+    """run(a's channel group g, b's group g) for each of `groups` groups (a split along
+    a_axis, b along b_axis, each part contiguous), joined along the last axis."""
+    if groups == 1:
+        return run(a, b)
+    parts = zip(np.split(a, groups, axis=a_axis), np.split(b, groups, axis=b_axis))
+    return np.concatenate([run(np.ascontiguousarray(p), np.ascontiguousarray(q)) for p, q in parts], axis=-1)
+
+
+# Samples per im2col block: the copied windows of one block stay near this many bytes, so
+# they are written and read back from cache, not memory (measured ~2x faster on the
+# ResNet shapes than one whole-batch copy), and peak memory stays bounded.
+BLOCK_BYTES = 4 << 20
+
+
+def _block_samples(bytes_per_sample: int) -> int:
+    """How many samples make one block of about BLOCK_BYTES (at least one)."""
+    return max(1, BLOCK_BYTES // max(1, bytes_per_sample))
+
+
+def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
+                 padding: tuple, per_sample: bool = False, dilation: tuple[int, int] = (1, 1),
+                 groups: int = 1, mode: str = "zeros") -> np.ndarray:
+    """y[n, oh, ow, oc] = sum_{kh, kw, c} xp[n, oh*SH + kh, ow*SW + kw, c] * w[oc, kh, kw, c].
+
+    `per_sample`: one matrix product a sample, of the same shape whatever N: BLAS picks its
+    kernel (and so its summation order) by the product's shape, so blocks of samples give
+    a sample other bits at another batch size; one sample at a time gives it the same."""
+    if _depthwise(groups, x.shape[3]):
+        xp = pad(x, padding, mode)
+        n, hp, wp, _ = xp.shape
+        oh, ow = _output_size((hp, wp), w.shape[1:3], stride, dilation)
+        y = np.empty((n, oh, ow, w.shape[0]), dtype=np.result_type(x, w))
+        kernels.depthwise_forward(xp, _taps(w, y.dtype), stride, dilation, y)
+        return y
+    if groups > 1:
+        return _by_group(groups, lambda xg, wg: conv_forward(xg, wg, stride, padding, per_sample, dilation,
+                                                             mode=mode), x, w, 3, 0)
+    oc, kh, kw, c = w.shape
+    cols = windows(pad(x, padding, mode), (kh, kw), stride, dilation)
+    n, oh, ow = cols.shape[:3]
+    w_t = w.reshape(oc, kh * kw * c).T
+    y = np.empty((n, oh, ow, oc), dtype=np.result_type(x, w))
+    step = 1 if per_sample else _block_samples(oh * ow * kh * kw * c * x.itemsize)
+    for i in range(0, n, step):
+        # The reshape copies the overlapping windows into one matrix (im2col).
+        block = cols[i:i + step].reshape(-1, kh * kw * c)
+        np.matmul(block, w_t, out=y[i:i + step].reshape(-1, oc))
+    return y
+
+
+def conv_backward_filter(x: np.ndarray, d_z: np.ndarray, kernel: tuple[int, int],
+                         stride: tuple[int, int], padding: tuple, dilation: tuple[int, int] = (1, 1),
+                         groups: int = 1, mode: str = "zeros") -> np.ndarray:
+    """d_w[oc, kh, kw, c] = sum_{n, oh, ow} d_z[n, oh, ow, oc] * xp[n, oh*SH + kh, ow*SW + kw, c]
+    (taps kh*DH, kw*DW with dilation; within each channel group)."""
+    if _depthwise(groups, x.shape[3]):
+        d_w = kernels.depthwise_backward_filter(pad(x, padding, mode), d_z, tuple(kernel), stride, dilation)
+        return np.ascontiguousarray(np.moveaxis(d_w, -1, 0))[..., None].astype(np.result_type(x, d_z), copy=False)
+    if groups > 1:
+        # Each group's (OC / groups, KH, KW, C / groups) joined along OC: d_w's first axis.
+        run = lambda xg, dg: np.moveaxis(conv_backward_filter(xg, dg, kernel, stride, padding, dilation,  # noqa: E731
+                                                              mode=mode), 0, -1)
+        return np.ascontiguousarray(np.moveaxis(_by_group(groups, run, x, d_z, 3, 3), -1, 0))
+    n, oh, ow, oc = d_z.shape
+    kh, kw = kernel
+    c = x.shape[3]
+    cols = windows(pad(x, padding, mode), kernel, stride, dilation)
+    d_w = np.zeros((oc, kh * kw * c), dtype=np.result_type(x, d_z))
+    step = _block_samples(oh * ow * kh * kw * c * x.itemsize)
+    for i in range(0, n, step):
+        d_w += d_z[i:i + step].reshape(-1, oc).T @ cols[i:i + step].reshape(-1, kh * kw * c)
+    return d_w.reshape(oc, kh, kw, c)
+
+
+def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int],
+                       stride: tuple[int, int], padding: tuple, per_sample: bool = False,
+                       dilation: tuple[int, int] = (1, 1), groups: int = 1, mode: str = "zeros") -> np.ndarray:
+    """d_x (N, H, W, C): the transpose of `conv_forward` applied to `d_z`.
+
+    For each of the KH*KW kernel taps, one matrix product d_z @ w[:, kh, kw, :] gives that
+    tap's contribution, contiguous (N, OH, OW, C), added into the padded gradient with
+    one strided add; a single product followed by strided reads of its (KH, KW) slices
+    was measured 2-7x slower. Blocks of samples keep the adds in cache; `per_sample`:
+    blocks of one sample, as in `conv_forward`.
+    """
+    if _depthwise(groups, groups * w.shape[3]):
+        (top, bottom), (left, right) = pads_of(padding)
+        n = d_z.shape[0]
+        d_xp = np.zeros((n, input_hw[0] + top + bottom, input_hw[1] + left + right, groups), np.result_type(w, d_z))
+        kernels.depthwise_backward_data(d_z, _taps(w, d_xp.dtype), stride, dilation, d_xp)
+        return unpad(d_xp, padding, mode, input_hw)
+    if groups > 1:
+        return _by_group(groups, lambda wg, dg: conv_backward_data(wg, dg, input_hw, stride, padding, per_sample,
+                                                                   dilation, mode=mode), w, d_z, 0, 3)
+    n, oh, ow, oc = d_z.shape
+    _, kh, kw, c = w.shape
+    sh, sw = stride
+    (top_pad, bottom_pad), (left_pad, right_pad) = pads_of(padding)
+    dh, dw = dilation
+    h, w_in = input_hw
+    hp, wp = h + top_pad + bottom_pad, w_in + left_pad + right_pad
+    d_xp = np.zeros((n, hp, wp, c), dtype=np.result_type(w, d_z))
+    if oh == 1 and ow == 1:
+        # One window (a layer that ends in a 1x1 map): its taps land on distinct input
+        # positions, so one product gives them all, with nothing to add up.
+        w_all = w.reshape(oc, kh * kw * c)
+        taps = d_xp[:, :(kh - 1) * dh + 1:dh, :(kw - 1) * dw + 1:dw, :]
+        step = 1 if per_sample else n
+        for b in range(0, n, step):
+            taps[b:b + step] = (d_z[b:b + step].reshape(-1, oc) @ w_all).reshape(-1, kh, kw, c)
+        return unpad(d_xp, padding, mode, input_hw)
+    step = 1 if per_sample else _block_samples((hp * wp + oh * ow) * c * d_xp.itemsize)
+    for b in range(0, n, step):
+        rows = d_z[b:b + step].reshape(-1, oc)
+        out = d_xp[b:b + step]
+        for i in range(kh):
+            for j in range(kw):
+                tap = (rows @ w[:, i, j, :]).reshape(-1, oh, ow, c)
+                top, left = i * dh, j * dw
+                out[:, top:top + sh * (oh - 1) + 1:sh, left:left + sw * (ow - 1) + 1:sw, :] += tap
+    return unpad(d_xp, padding, mode, input_hw)
+
+
+def bias_backward(d_z: np.ndarray) -> np.ndarray:
+    """d_b[oc] = sum_{n, oh, ow} d_z[n, oh, ow, oc], (OC,), summed in float64 in fixed
+    chunks (conv2d.cpu.kernels.column_sums), in d_z's dtype."""
+    c = d_z.shape[-1]
+    return kernels.column_sums(d_z.reshape(-1, c), np.zeros(c))[0].astype(d_z.dtype)

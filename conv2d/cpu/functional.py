@@ -1,0 +1,228 @@
+"""The CPU backend's functions: `forward` and `backward` over explicit parameters, running
+statistics and a `Saved` object, and `Functions`, the two bound to a spec with the memory
+operations a layer needs. The names, arguments and contract are the reference's
+(conv2d/reference/functional.py), which this is checked against; what differs is how:
+
+- convolutions as in conv2d.cpu.conv (BLAS products; numba loops for depthwise ones);
+- the norm's statistics, the norm and the activation in compiled passes
+  (conv2d.cpu.kernels): two passes of sums over z (mean, then squared deviations), one
+  pass that writes y; in backward, one pass of sums and one that writes d_z, each
+  recomputing the activation's input from the saved pre-activations;
+- the parameter checks of a dict seen before are not made again (`conv2d.cpu.params`).
+
+Every sum runs in float64 over chunks fixed by the shape, so results are bitwise the same
+for any thread count (conv2d.cpu.threads says how many run). Rounding to the storage dtype
+happens where the reference rounds: the pre-activations, y, d_z before the convolution
+gradients, d_x and the weight gradients. Arrays: as the reference's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from conv2d.arrays import host_view, to_library
+from conv2d.checks import check_numpy
+from conv2d.cpu import conv, kernels, params as checked, threads as pool
+from conv2d.dtypes import compute_dtype, storage_dtype
+from conv2d.reference import functional as reference
+from conv2d.reference.functional import Saved, check_input, check_running_writable, layer_differences
+from conv2d.reference.norm import update_running
+from conv2d.spec import LayerSpec, Normalization
+from conv2d.state import MAX_BATCHES, grad_layout
+
+
+_MODES = {Normalization.NONE: kernels.NO_NORM, Normalization.BATCH_NORM: kernels.BATCH_NORM,
+          Normalization.LAYER_NORM: kernels.LAYER_NORM}
+_NO_STATS = np.zeros(1)
+
+
+def _pixels(a: np.ndarray) -> np.ndarray:
+    """(N, OH, OW, OC) -> (N, OH*OW, OC), a view."""
+    return a.reshape(a.shape[0], -1, a.shape[-1])
+
+
+def _pre_activations(spec: LayerSpec, params: dict, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(pre, z): conv(x, W) + b (N, OH, OW, OC) in the storage dtype, and the same values
+    in the compute dtype (one array where the two dtypes are one)."""
+    ct, st = compute_dtype(spec.dtype), storage_dtype(spec.dtype)
+    z = conv.conv_forward(x.astype(ct, copy=False), params["weights"].astype(ct, copy=False), spec.stride,
+                          spec.pads, per_sample=spec.batch_invariant, dilation=spec.dilation, groups=spec.groups,
+                          mode=spec.padding_mode)
+    if spec.bias:
+        z += params["bias"].astype(ct, copy=False)
+    pre = z.astype(st, copy=False)
+    return pre, pre.astype(ct, copy=False)
+
+
+def _statistics(spec: LayerSpec, z: np.ndarray, training: bool, running: dict | None
+                ) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(mean, inv_std, from_batch) in the compute dtype; a training batch norm updates
+    `running` in place. Two passes of float64 sums: the mean, then the squared deviations
+    from it."""
+    ct = z.dtype
+    layer = spec.normalization is Normalization.LAYER_NORM
+    if spec.batch_statistics(training):
+        flat = z.reshape(z.shape[0], -1) if layer else z.reshape(-1, z.shape[-1])
+        sums = kernels.row_sums if layer else kernels.column_sums
+        count = flat.shape[1] if layer else flat.shape[0]
+        width = flat.shape[0] if layer else flat.shape[1]
+        mean = sums(flat, np.zeros(width))[0] / count
+        var = sums(flat, mean)[1] / count
+        if not layer and running is not None:
+            momentum = spec.bn_momentum
+            if momentum is None:  # the cumulative average, as PyTorch's momentum=None
+                counted = running["num_batches_tracked"]
+                if counted < MAX_BATCHES:
+                    counted[...] += 1
+                momentum = 1.0 / float(counted)
+            scaled = var * spec.running_var_scale(count)
+            for k, stat in (("running_mean", mean), ("running_var", scaled)):
+                running[k][...] = update_running(running[k], stat.astype(ct), momentum)
+        return mean.astype(ct), (1.0 / np.sqrt(var + spec.bn_epsilon)).astype(ct), True
+    mean = running["running_mean"].astype(ct)
+    var = running["running_var"].astype(np.float64)
+    return mean, (1.0 / np.sqrt(var + spec.bn_epsilon)).astype(ct), False
+
+
+def _norm_parameters(spec: LayerSpec, params: dict, ct: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(gamma, beta) in the compute dtype: ones and zeros without an affine (or a norm)."""
+    if spec.normalization is not Normalization.NONE and spec.bn_affine:
+        return params["gamma"].astype(ct, copy=False), params["beta"].astype(ct, copy=False)
+    return np.ones(spec.out_channels, ct), np.zeros(spec.out_channels, ct)
+
+
+def _activation(spec: LayerSpec) -> tuple[int, float]:
+    from conv2d.activations import DEFAULT_PARAMETER
+
+    p = spec.activation_parameter
+    return kernels.ACTIVATION_CODES[spec.activation], float(DEFAULT_PARAMETER.get(spec.activation, 0.0) if p is None
+                                                              else p)
+
+
+def forward(spec: LayerSpec, params: Mapping[str, Any], x: Any, training: bool,
+            running: Mapping[str, Any] | None = None, cache: dict | None = None,
+            threads: int | str | None = None) -> tuple[Any, Saved]:
+    """(y (N, OH, OW, OC), saved) for input x (N, H, W, C), as the reference's forward.
+    `cache`: conv2d.cpu.params' (a Functions' own); `threads`: conv2d.cpu.threads'."""
+    if not isinstance(training, bool):
+        raise TypeError(f"training: expected a bool, got {training!r}")
+    x, lib, call = check_input(spec, "x", x)
+    need_running = spec.normalization is Normalization.BATCH_NORM and not spec.batch_statistics(training)
+    params, running = checked.check_params(spec, params, running, need_running, cache)
+    if running is not None and training and spec.normalization is Normalization.BATCH_NORM:
+        check_running_writable(running)
+    pool.use(pool.wanted(threads))
+    ct, st = compute_dtype(spec.dtype), storage_dtype(spec.dtype)
+    pre, z = _pre_activations(call, params, x)
+    mean = inv_std = None
+    from_batch = False
+    if spec.normalization is not Normalization.NONE:
+        mean, inv_std, from_batch = _statistics(call, z, training, running)
+    gamma, beta = _norm_parameters(spec, params, ct)
+    code, p = _activation(spec)
+    y = np.empty(pre.shape, ct)
+    kernels.forward_epilogue(_pixels(z), _MODES[spec.normalization], _NO_STATS if mean is None else mean,
+                             _NO_STATS if inv_std is None else inv_std, gamma, beta, code, p, _pixels(y))
+    return to_library(y.astype(st, copy=False), lib), Saved(call, x, pre, mean, inv_std, from_batch, lib)
+
+
+def grad_pre_activations(spec: LayerSpec, params: dict, saved: Saved, d_y: np.ndarray
+                         ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """d_z (N, OH, OW, OC) in the compute dtype, and the norm's parameter gradients."""
+    call = saved.spec
+    ct = compute_dtype(spec.dtype)
+    z = _pixels(saved.pre.astype(ct, copy=False))
+    d_y3 = _pixels(d_y.astype(ct, copy=False))
+    mode = _MODES[spec.normalization]
+    gamma, beta = _norm_parameters(spec, params, ct)
+    code, p = _activation(spec)
+    mean = _NO_STATS if saved.mean is None else saved.mean
+    inv_std = _NO_STATS if saved.inv_std is None else saved.inv_std
+    d_z = np.empty(z.shape, ct)
+    grads: dict[str, np.ndarray] = {}
+    mean_g = mean_gx = _NO_STATS
+    if mode != kernels.NO_NORM:
+        channel, sample = kernels.backward_sums(z, d_y3, mode, mean, inv_std, gamma, beta, code, p)
+        grads = {"gamma": channel[1].astype(ct), "beta": channel[0].astype(ct)}
+        if saved.batch_stats and mode == kernels.BATCH_NORM:
+            count = z.shape[0] * z.shape[1]
+            mean_g, mean_gx = gamma * (channel[0] / count), gamma * (channel[1] / count)
+        elif saved.batch_stats:
+            count = z.shape[1] * z.shape[2]
+            mean_g, mean_gx = sample[0] / count, sample[1] / count
+    kernels.backward_epilogue(z, d_y3, mode, mean, inv_std, gamma, beta, code, p, saved.batch_stats, mean_g, mean_gx,
+                              d_z)
+    return d_z.reshape(call.output_shape), grads
+
+
+def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any, want_params: bool = True,
+             want_input: bool = True, accumulate: Mapping[str, Any] | None = None,
+             cache: dict | None = None, threads: int | str | None = None) -> tuple[Any, Any]:
+    """(grads, d_x) of the forward that gave `saved`, as the reference's backward."""
+    if not isinstance(saved, Saved):
+        raise TypeError(f"saved: expected the Saved of a forward, got {type(saved).__name__}")
+    call = saved.spec
+    other = layer_differences(call, spec)
+    if other:
+        raise ValueError("saved: made by a forward of another layer (" + "; ".join(
+            f"{k}: saved's {a!r}, this layer's {b!r}" for k, (a, b) in other) + ")")
+    st, ct = storage_dtype(spec.dtype), compute_dtype(spec.dtype)
+    d_y, lib = host_view("d_y", d_y)
+    check_numpy("d_y", d_y, call.output_shape, st)
+    params, _ = checked.check_params(spec, params, None, False, cache)
+    acc = None
+    if want_params and accumulate is not None:
+        acc, _ = checked.check_params(spec, {k: accumulate.get(k) for k in grad_layout(spec)}, None, False)
+    pool.use(pool.wanted(threads))
+    d_z, norm_grads = grad_pre_activations(spec, params, saved, d_y)
+    d_z_stored = d_z.astype(st, copy=False).astype(ct, copy=False)
+    d_x = None
+    if want_input:
+        w = params["weights"].astype(ct, copy=False)
+        d_x = conv.conv_backward_data(w, d_z_stored, (call.in_height, call.in_width), call.stride, call.pads,
+                                      per_sample=spec.batch_invariant, dilation=call.dilation, groups=call.groups,
+                                      mode=call.padding_mode)
+        d_x = to_library(d_x.astype(st, copy=False), lib)
+    if not want_params:
+        return None, d_x
+    new = dict(norm_grads)
+    if spec.bias:
+        new["bias"] = conv.bias_backward(d_z_stored)
+    d_w = conv.conv_backward_filter(saved.x.astype(ct, copy=False), d_z_stored, call.kernel, call.stride,
+                                    call.pads, call.dilation, call.groups, call.padding_mode)
+    new["weights"] = d_w.astype(st, copy=False).astype(ct, copy=False)
+    if acc is None:
+        layout = grad_layout(spec)
+        return {k: to_library(new[k].astype(layout[k][1]), lib) for k in layout}, d_x
+    for k, g in new.items():
+        if k in acc:
+            acc[k][...] = (acc[k].astype(ct, copy=False) + g).astype(acc[k].dtype, copy=False)
+    return accumulate, d_x
+
+
+class Functions(reference.Functions):
+    """`forward`, `evaluate` and `backward` bound to one spec; the memory operations,
+    the optimizers' steps, `saved` and `pre_activations` are the reference's (the same
+    NumPy arrays, the same `Saved`). `threads`: conv2d.cpu.threads' rule."""
+
+    name = "cpu"
+
+    def __init__(self, spec: LayerSpec, threads: int | str | None = None) -> None:
+        super().__init__(spec)
+        self.threads = pool.check(threads)
+        self._checked: dict = {}  # conv2d.cpu.params' views of the caller's dicts
+
+    def forward(self, params: Mapping[str, Any], x: Any, training: bool,
+                running: Mapping[str, Any] | None = None) -> tuple[Any, Saved]:
+        return forward(self.spec, params, x, training, running, self._checked, self.threads)
+
+    def evaluate(self, params: Mapping[str, Any], x: Any, running: Mapping[str, Any] | None = None) -> Any:
+        """forward(training=False)'s y, keeping nothing."""
+        return forward(self.spec, params, x, False, running, self._checked, self.threads)[0]
+
+    def backward(self, params: Mapping[str, Any], saved: Saved, d_y: Any, want_params: bool = True,
+                 want_input: bool = True, accumulate: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
+        return backward(self.spec, params, saved, d_y, want_params, want_input, accumulate, self._checked,
+                        self.threads)
