@@ -122,18 +122,62 @@ def test_an_nhwc_module_gives_the_nchw_modules_results_bitwise_in_nhwc(norm):
     torch.testing.assert_close(nhwc.state_dict(), nchw.state_dict(), rtol=0, atol=0)
 
 
-def test_a_cpu_call_leaves_numpys_blas_at_one_thread_beside_torchs():
+def test_a_reference_cpu_call_leaves_numpys_blas_at_one_thread_beside_torchs():
     """Two thread pools on the same cores slow each other (conv2d.torch.calls.one_blas_thread):
-    the module's first CPU call sets NumPy's BLAS to one thread for the process."""
+    the module's first CPU call on the reference sets NumPy's BLAS to one thread for the process."""
     from threadpoolctl import threadpool_info, threadpool_limits
 
     from conv2d.torch import calls
 
     calls.one_blas_thread.cache_clear()
     with threadpool_limits(limits=2, user_api="blas"):
-        module = Conv2dNormActivation(3, 4, 3, padding=1, norm="batch_norm")
+        module = Conv2dNormActivation(3, 4, 3, padding=1, norm="batch_norm", cpu_backend="reference")
         module(torch.randn(2, 3, 5, 5))
         assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == {1}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_cpu_backend_call_runs_as_many_threads_as_torch(threads):
+    """The cpu backend follows torch.get_num_threads() at each call (conv2d.cpu.threads):
+    numba's count and BLAS's."""
+    import numba
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with threadpool_limits(limits=3, user_api="blas"):
+            from conv2d.cpu import threads as pool
+
+            pool._BLAS_SET[0] = None  # threadpool_limits changed BLAS behind its back
+            module = Conv2dNormActivation(3, 4, 3, padding=1, norm="batch_norm")
+            module(torch.randn(2, 3, 5, 5))
+            assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == {threads}
+            assert numba.get_num_threads() == min(threads, numba.config.NUMBA_NUM_THREADS)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_cpu_backend_that_runs_no_cpu_tensors_is_refused():
+    with pytest.raises(ValueError, match=r"cpu_backend: expected one of \['reference', 'cpu'\].*got 'cuda'"):
+        Conv2dNormActivation(3, 4, 3, cpu_backend="cuda")
+
+
+@pytest.mark.parametrize("norm", ["none", "batch_norm", "layer_norm"])
+def test_the_cpu_and_reference_backends_give_the_same_module_results(norm):
+    """cpu_backend="reference" runs the oracle under the same module: the two agree in
+    float64 to rounding (outputs, every gradient, the running statistics)."""
+    results = []
+    for name in ("cpu", "reference"):
+        torch.manual_seed(0)
+        module = Conv2dNormActivation(3, 4, 3, padding=1, norm=norm, activation="silu", dtype=torch.float64,
+                                      cpu_backend=name)
+        x = torch.randn(2, 3, 6, 5, dtype=torch.float64, requires_grad=True)
+        y = module(x)
+        y.backward(torch.randn_like(y, generator=torch.Generator().manual_seed(1)))
+        results.append([y, x.grad, *(p.grad for p in module.parameters()), *module.buffers()])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
 
 
 def test_cuda_graphs_other_than_a_bool_is_refused():

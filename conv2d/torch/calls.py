@@ -112,13 +112,38 @@ def choice_now(float32: bool, allow_tf32: Optional[bool] = None,
     return tf32, bool(torch.backends.cudnn.benchmark) if autotune is None else bool(autotune)
 
 
+def host_backend(name: Any) -> str:
+    """The module's `cpu_backend` after checking it: a registered backend that runs on the
+    host (no stream, no copy of a host input to a device): "cpu" (the default) or
+    "reference" (the plain oracle, to debug against)."""
+    from conv2d import backend
+
+    declared = backend.get(name) if isinstance(name, str) and name in backend.backend_names() else None
+    if declared is None or declared.has_stream or declared.copies_host_input:
+        hosts = [n for n in backend.backend_names() if not (backend.get(n).has_stream or backend.get(n).copies_host_input)]
+        raise ValueError(f"cpu_backend: expected one of {hosts} (the backends that run CPU tensors), got {name!r}")
+    return name
+
+
+def host_options(name: str) -> dict[str, Any]:
+    """The options the module makes a host backend's functions with: the cpu backend
+    runs as many threads as torch's intra-op pool (`torch.get_num_threads()` at each
+    call: conv2d.cpu.threads); the reference takes none."""
+    from conv2d import backend
+
+    return {"threads": "torch"} if "threads" in backend.get(name).options else {}
+
+
 def call_context(fn: Any, x: Tensor) -> contextlib.AbstractContextManager:
     """What a backend call on x runs under. While torch's current stream is captured into
     a CUDA graph (torch.cuda.graph, or torch.compile's CUDA graphs), the CUDA functions'
-    calls defer numba's frees (a free would invalidate the capture). On the CPU, NumPy's
-    BLAS is first set to one thread for the process (`one_blas_thread`). Otherwise nothing."""
+    calls defer numba's frees (a free would invalidate the capture). On the CPU, a backend
+    that sets its own thread counts (the cpu backend's `threads`) is left to; under any
+    other, NumPy's BLAS is first set to one thread for the process (`one_blas_thread`).
+    Otherwise nothing."""
     if not x.is_cuda:
-        one_blas_thread()
+        if getattr(fn, "threads", None) is None:
+            one_blas_thread()
         return contextlib.nullcontext()
     if torch.cuda.is_current_stream_capturing():
         return fn.deferred_frees()

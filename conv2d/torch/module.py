@@ -6,9 +6,9 @@ torch owns everything: the parameters are `nn.Parameter`s and the running statis
 buffers, with the Sequential's names ("0.weight", "0.bias", "1.weight", "1.bias",
 "1.running_mean", "1.running_var", "1.num_batches_tracked"), so its `state_dict` loads
 as it is; the convolution weight is (OC, IC, KH, KW) in channels_last memory, which is
-this library's (OC, KH, KW, IC). Both backends' functions read them in place: CPU tensors
-run on the reference backend, CUDA tensors on the CUDA backend (on torch's current
-stream). In eager mode a call is one autograd node over the backend's functions
+this library's (OC, KH, KW, IC). The backends' functions read them in place: CPU tensors
+run on the cpu backend (or the reference, `cpu_backend="reference"`), CUDA tensors on the
+CUDA backend (on torch's current stream). In eager mode a call is one autograd node over the backend's functions
 (`conv2d.torch.eager`); under `torch.compile` (and for tensor subclasses) it is two custom
 ops (`conv2d.torch.ops`: forward, and backward through the same functions) with autograd
 between them, so that the compiler sees one opaque op. Both give the same values
@@ -28,7 +28,7 @@ from conv2d.backend import Preallocating, check_options, make_functions
 from conv2d.checks import describe
 from conv2d.spec import DType, LayerSpec, Normalization, _pair
 from conv2d.torch import eager, ops
-from conv2d.torch.calls import autocast_dtype, choice_now, refuse_function_transforms
+from conv2d.torch.calls import autocast_dtype, choice_now, host_backend, host_options, refuse_function_transforms
 from conv2d.torch.graphs import COUNTS, CallGraphs
 
 _DTYPES = {torch.float64: DType.FLOAT64, torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16,
@@ -142,9 +142,11 @@ class Conv2dNormActivation(nn.Module):
     when `torch.backends.cudnn.benchmark` is on, as PyTorch does for its own, unless
     `backend_options` gives `autotune`.
     `backend_options`: a dict of the CUDA backend's options (e.g. {"allow_tf32": True};
-    `conv2d.backend.get("cuda").options` lists them), checked here; CPU tensors run on the
-    reference backend, which has none. `batch_invariant`: LayerSpec's (a sample's results
-    bitwise the same whatever batch it is in, on either device).
+    `conv2d.backend.get("cuda").options` lists them), checked here. `cpu_backend`: what
+    CPU tensors run on: "cpu" (compiled, as many threads as `torch.get_num_threads()`,
+    the same bits for any count) or "reference" (the plain NumPy oracle, to debug
+    against). `batch_invariant`: LayerSpec's (a sample's results bitwise the same whatever
+    batch it is in, on either device).
 
     `nn.Conv2d`'s and `nn.BatchNorm2d`'s other arguments are taken by name and run on both
     devices: `momentum=None` (the cumulative average; the batch's statistics go through
@@ -171,9 +173,11 @@ class Conv2dNormActivation(nn.Module):
                  momentum: float | None = 0.1, affine: bool = True, track_running_stats: bool = True,
                  running_var: str = "unbiased", device: Any = None, dtype: Any = None, layout: str = "NCHW",
                  cuda_graphs: bool = True, backend_options: dict[str, Any] | None = None,
-                 batch_invariant: bool = False, negative_slope: float = 0.01, alpha: float = 1.0) -> None:
+                 batch_invariant: bool = False, negative_slope: float = 0.01, alpha: float = 1.0,
+                 cpu_backend: str = "cpu") -> None:
         super().__init__()
         backend_options = check_options("cuda", backend_options)
+        self.cpu_backend = host_backend(cpu_backend)
         if layout not in ("NCHW", "NHWC"):
             raise ValueError(f"layout: expected 'NCHW' or 'NHWC', got {layout!r}")
         if not isinstance(cuda_graphs, bool):
@@ -279,7 +283,7 @@ class Conv2dNormActivation(nn.Module):
 
     def _options(self, backend: str, choice: tuple[bool, bool]) -> dict[str, Any]:
         if backend != "cuda":
-            return {}
+            return host_options(backend)
         return {**self.backend_options, "allow_tf32": choice[0], "autotune": choice[1]}
 
     def _functions_for(self, x: torch.Tensor, choice: tuple[bool, bool]) -> tuple[Any, Any]:
@@ -289,12 +293,12 @@ class Conv2dNormActivation(nn.Module):
         found = self._functions.get(key)
         if found is not None:
             return found
-        backend = "cuda" if x.is_cuda else "reference"
+        backend = "cuda" if x.is_cuda else self.cpu_backend
         spec = self._spec_for(_DTYPES[x.dtype])
         if backend == "cuda":
             fn, graphs = _cuda_functions(spec, x.device, self._options(backend, choice))
         else:
-            fn, graphs = make_functions(backend, spec), None
+            fn, graphs = make_functions(backend, spec, **self._options(backend, choice)), None
         op_key = self._op_keys[choice]
         if op_key.startswith("object:"):  # options that are no JSON value: these functions
             ops.register(op_key, fn)
@@ -307,7 +311,7 @@ class Conv2dNormActivation(nn.Module):
         rather than in a traced forward: torch.compile cannot trace the JSON it is made
         of without a graph break."""
         w = self.conv.weight
-        backend = "cuda" if w.is_cuda else "reference"
+        backend = "cuda" if w.is_cuda else self.cpu_backend
         dtype = _DTYPES.get(w.dtype, DType.FLOAT32)  # another dtype is refused at the call
         spec = self._spec_for(dtype)
         self._op_keys = {choice: ops.key_for(backend, spec, w.device, self._options(backend, choice))
@@ -315,7 +319,7 @@ class Conv2dNormActivation(nn.Module):
         # The ops' key: its options leave what backend_options does not give to the
         # choice PyTorch makes when the op runs (ops.FOLLOW).
         given = self.backend_options
-        following = {} if backend != "cuda" else {
+        following = host_options(backend) if backend != "cuda" else {
             **given, **{name: given.get(name, ops.FOLLOW) for name in ops.CHOICE_OPTIONS}}
         self._op_key = ops.key_for(backend, spec, w.device, following)
         if self._op_key.startswith("object:"):  # no JSON to make the choices from: name them
@@ -344,7 +348,8 @@ class Conv2dNormActivation(nn.Module):
                                      norm="none", activation=s.activation.value, negative_slope=s.negative_slope,
                                      alpha=s.elu_alpha, device=weight.device,
                                      dtype=weight.dtype, layout=self.layout, cuda_graphs=self.cuda_graphs,
-                                     backend_options=self.backend_options, batch_invariant=s.batch_invariant)
+                                     backend_options=self.backend_options, batch_invariant=s.batch_invariant,
+                                     cpu_backend=self.cpu_backend)
         with torch.no_grad():
             other.conv.weight.copy_(torch.from_numpy(weights_to_torch(folded["weights"])))
             other.conv.bias.copy_(torch.from_numpy(folded["bias"]))
