@@ -52,7 +52,11 @@ from torch import nn
 
 # name -> (input (C, H, W), training batch, outputs)
 NETWORKS = {"nature_dqn": ((4, 84, 84), 32, 6), "impala_cnn": ((3, 64, 64), 256, 15),
-            "cifar_resnet": ((3, 32, 32), 128, 10), "digits_cnn": ((1, 8, 8), 32, 10)}
+            "cifar_resnet": ((3, 32, 32), 128, 10), "digits_cnn": ((1, 8, 8), 32, 10),
+            "mobilenet_v2": ((3, 64, 64), 128, 10)}
+# The CPU's default networks and training batches (docs/bench_shapes.md, "Whole networks").
+CPU_NETWORKS = ("digits_cnn", "nature_dqn", "impala_cnn", "mobilenet_v2")
+CPU_TRAIN_BATCH = {"impala_cnn": 32, "mobilenet_v2": 32}
 MODES = ("eager", "graph", "compile", "reduce-overhead")
 PRECISIONS = ("default", "strict", "bfloat16")
 
@@ -67,6 +71,26 @@ class Residual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.block(x)
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block (Sandler et al. 2018): expand 1x1 (x6) + BN + ReLU6, depthwise
+    3x3 + BN + ReLU6, project 1x1 + BN, plus x where the shapes match (no expansion
+    where `expand` is 1); each conv run a Sequential, as torchvision's, so that `swap` converts all three."""
+
+    def __init__(self, cin: int, cout: int, stride: int, expand: int = 6) -> None:
+        super().__init__()
+        mid = cin * expand
+        self.residual = stride == 1 and cin == cout
+        self.expand = nn.Identity() if expand == 1 else nn.Sequential(nn.Conv2d(cin, mid, 1, bias=False),
+                                                                        nn.BatchNorm2d(mid), nn.ReLU6())
+        self.depthwise = nn.Sequential(nn.Conv2d(mid, mid, 3, stride, 1, groups=mid, bias=False), nn.BatchNorm2d(mid),
+                                       nn.ReLU6())
+        self.project = nn.Sequential(nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.project(self.depthwise(self.expand(x)))
+        return x + y if self.residual else y
 
 
 def network(name: str) -> nn.Module:
@@ -89,6 +113,14 @@ def network(name: str) -> nn.Module:
         return nn.Sequential(nn.Conv2d(c, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
                              nn.Conv2d(16, 32, 3, 2, 1), nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, outputs, 4),
                              nn.Flatten())
+    if name == "mobilenet_v2":  # docs/bench_shapes.md: 16, 24/2, 24, 32/2, 32, 64/2
+        layers = [nn.Sequential(nn.Conv2d(c, 32, 3, 2, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU6())]
+        cin = 32
+        for cout, stride, expand in ((16, 1, 1), (24, 2, 6), (24, 1, 6), (32, 2, 6), (32, 1, 6), (64, 2, 6)):
+            layers.append(InvertedResidual(cin, cout, stride, expand))
+            cin = cout
+        layers.append(nn.Sequential(nn.Conv2d(cin, 256, 1, bias=False), nn.BatchNorm2d(256), nn.ReLU6()))
+        return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(256, outputs))
     blocks, widths = [], [(c, 64, 1), (64, 64, 1), (64, 64, 1), (64, 128, 2), (128, 128, 1), (128, 128, 1),
                           (128, 256, 2), (256, 256, 1)]
     for cin, cout, stride in widths:
@@ -198,7 +230,7 @@ def compare(name: str, precision: str, mode: str, row: str, args) -> dict | None
         torch.backends.cudnn.benchmark = False
     torch._dynamo.reset()
     (c, h, w), n, outputs = NETWORKS[name]
-    n = args.train_batch or n
+    n = args.train_batch or (CPU_TRAIN_BATCH.get(name, n) if device == "cpu" else n)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n if row == "train" else 1, c, h, w, generator=g).to(device=device, dtype=dtype,
                                                                          memory_format=torch.channels_last)

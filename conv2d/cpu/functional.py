@@ -35,7 +35,6 @@ from conv2d.state import MAX_BATCHES, grad_layout
 
 _MODES = {Normalization.NONE: kernels.NO_NORM, Normalization.BATCH_NORM: kernels.BATCH_NORM,
           Normalization.LAYER_NORM: kernels.LAYER_NORM}
-_NO_STATS = np.zeros(1)
 
 
 def _pixels(a: np.ndarray) -> np.ndarray:
@@ -123,8 +122,9 @@ def forward(spec: LayerSpec, params: Mapping[str, Any], x: Any, training: bool,
     gamma, beta = _norm_parameters(spec, params, ct)
     code, p = _activation(spec)
     y = np.empty(pre.shape, ct)
-    kernels.forward_epilogue(_pixels(z), _MODES[spec.normalization], _NO_STATS if mean is None else mean,
-                             _NO_STATS if inv_std is None else inv_std, gamma, beta, code, p, _pixels(y))
+    none = np.zeros(1, ct)  # the statistics' stand-in without a norm
+    kernels.forward_epilogue(_pixels(z), _MODES[spec.normalization], none if mean is None else mean,
+                             none if inv_std is None else inv_std, gamma, beta, code, p, _pixels(y))
     return to_library(y.astype(st, copy=False), lib), Saved(call, x, pre, mean, inv_std, from_batch, lib)
 
 
@@ -138,20 +138,21 @@ def grad_pre_activations(spec: LayerSpec, params: dict, saved: Saved, d_y: np.nd
     mode = _MODES[spec.normalization]
     gamma, beta = _norm_parameters(spec, params, ct)
     code, p = _activation(spec)
-    mean = _NO_STATS if saved.mean is None else saved.mean
-    inv_std = _NO_STATS if saved.inv_std is None else saved.inv_std
+    none = np.zeros(1, ct)  # the statistics' stand-in without a norm
+    mean = none if saved.mean is None else saved.mean
+    inv_std = none if saved.inv_std is None else saved.inv_std
     d_z = np.empty(z.shape, ct)
     grads: dict[str, np.ndarray] = {}
-    mean_g = mean_gx = _NO_STATS
+    mean_g = mean_gx = none
     if mode != kernels.NO_NORM:
         channel, sample = kernels.backward_sums(z, d_y3, mode, mean, inv_std, gamma, beta, code, p)
         grads = {"gamma": channel[1].astype(ct), "beta": channel[0].astype(ct)}
         if saved.batch_stats and mode == kernels.BATCH_NORM:
             count = z.shape[0] * z.shape[1]
-            mean_g, mean_gx = gamma * (channel[0] / count), gamma * (channel[1] / count)
+            mean_g, mean_gx = (gamma * (channel[0] / count)).astype(ct), (gamma * (channel[1] / count)).astype(ct)
         elif saved.batch_stats:
             count = z.shape[1] * z.shape[2]
-            mean_g, mean_gx = sample[0] / count, sample[1] / count
+            mean_g, mean_gx = (sample[0] / count).astype(ct), (sample[1] / count).astype(ct)
     kernels.backward_epilogue(z, d_y3, mode, mean, inv_std, gamma, beta, code, p, saved.batch_stats, mean_g, mean_gx,
                               d_z)
     return d_z.reshape(call.output_shape), grads
