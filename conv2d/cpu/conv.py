@@ -106,8 +106,11 @@ def _by_group(groups: int, run, a: np.ndarray, b: np.ndarray, a_axis: int, b_axi
 
 # Samples per im2col block: the copied windows of one block stay near this many bytes, so
 # they are written and read back from cache, not memory (measured ~2x faster on the
-# ResNet shapes than one whole-batch copy), and peak memory stays bounded.
-BLOCK_BYTES = 4 << 20
+# ResNet shapes than one whole-batch copy), and peak memory stays bounded. The blocks are
+# the tasks the call's threads share (conv2d.cpu.kernels.run_tasks; BLAS itself runs one
+# thread): fixed by the shapes, never by the thread count, so each product has the same
+# shape, and so the same bits, whatever the count.
+BLOCK_BYTES = 1 << 20
 
 
 def _block_samples(bytes_per_sample: int) -> int:
@@ -139,10 +142,13 @@ def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
     w_t = w.reshape(oc, kh * kw * c).T
     y = np.empty((n, oh, ow, oc), dtype=np.result_type(x, w))
     step = 1 if per_sample else _block_samples(oh * ow * kh * kw * c * x.itemsize)
-    for i in range(0, n, step):
-        # The reshape copies the overlapping windows into one matrix (im2col).
-        block = cols[i:i + step].reshape(-1, kh * kw * c)
-        np.matmul(block, w_t, out=y[i:i + step].reshape(-1, oc))
+
+    def blocks(first: int, end: int) -> None:
+        for i in range(first * step, min(n, end * step), step):
+            # The reshape copies the overlapping windows into one matrix (im2col).
+            block = cols[i:i + step].reshape(-1, kh * kw * c)
+            np.matmul(block, w_t, out=y[i:i + step].reshape(-1, oc))
+    kernels.run_tasks(blocks, -(-n // step), y.size * kh * kw * c)
     return y
 
 
@@ -163,10 +169,17 @@ def conv_backward_filter(x: np.ndarray, d_z: np.ndarray, kernel: tuple[int, int]
     kh, kw = kernel
     c = x.shape[3]
     cols = windows(pad(x, padding, mode), kernel, stride, dilation)
-    d_w = np.zeros((oc, kh * kw * c), dtype=np.result_type(x, d_z))
     step = _block_samples(oh * ow * kh * kw * c * x.itemsize)
-    for i in range(0, n, step):
-        d_w += d_z[i:i + step].reshape(-1, oc).T @ cols[i:i + step].reshape(-1, kh * kw * c)
+    part = np.empty((-(-n // step), oc, kh * kw * c), dtype=np.result_type(x, d_z))
+
+    def blocks(first: int, end: int) -> None:
+        for b in range(first, end):
+            i = b * step
+            np.matmul(d_z[i:i + step].reshape(-1, oc).T, cols[i:i + step].reshape(-1, kh * kw * c), out=part[b])
+    kernels.run_tasks(blocks, part.shape[0], d_z.size * kh * kw * c)
+    d_w = part[0].copy()
+    for b in range(1, part.shape[0]):  # the blocks' sums added in order
+        d_w += part[b]
     return d_w.reshape(oc, kh, kw, c)
 
 
@@ -208,14 +221,17 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
             taps[b:b + step] = (d_z[b:b + step].reshape(-1, oc) @ w_all).reshape(-1, kh, kw, c)
         return unpad(d_xp, padding, mode, input_hw)
     step = 1 if per_sample else _block_samples((hp * wp + oh * ow) * c * d_xp.itemsize)
-    for b in range(0, n, step):
-        rows = d_z[b:b + step].reshape(-1, oc)
-        out = d_xp[b:b + step]
-        for i in range(kh):
-            for j in range(kw):
-                tap = (rows @ w[:, i, j, :]).reshape(-1, oh, ow, c)
-                top, left = i * dh, j * dw
-                out[:, top:top + sh * (oh - 1) + 1:sh, left:left + sw * (ow - 1) + 1:sw, :] += tap
+
+    def blocks(first: int, end: int) -> None:
+        for b in range(first * step, min(n, end * step), step):
+            rows = d_z[b:b + step].reshape(-1, oc)
+            out = d_xp[b:b + step]
+            for i in range(kh):
+                for j in range(kw):
+                    tap = (rows @ w[:, i, j, :]).reshape(-1, oh, ow, c)
+                    top, left = i * dh, j * dw
+                    out[:, top:top + sh * (oh - 1) + 1:sh, left:left + sw * (ow - 1) + 1:sw, :] += tap
+    kernels.run_tasks(blocks, -(-n // step), d_z.size * kh * kw * c)
     return unpad(d_xp, padding, mode, input_hw)
 
 

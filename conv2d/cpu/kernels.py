@@ -229,150 +229,173 @@ def row_sums(a: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return total[:, 0], total[:, 1]
 
 
-# The norm and activation, fused, a row (one pixel's C channels) at a time -----------------
-# Each row's loops keep the activation's choice outside the channel loop, so that the
-# common ones (ReLU, ReLU6, identity) vectorise.
-@njit(inline="always", cache=True)
-def _norm_row(mode, z, i, mean, inv_std, gamma, beta, x_hat, a):
-    """x_hat = (z - mean) * inv_std and a = x_hat * gamma + beta over one row (C,) of
-    sample i (statistics per channel, or sample i's); a = z without a norm."""
-    c = z.shape[0]
-    if mode == NO_NORM:
-        for j in range(c):
-            a[j] = z[j]
-    elif mode == BATCH_NORM:
-        for j in range(c):
-            x_hat[j] = (z[j] - mean[j]) * inv_std[j]
-            a[j] = x_hat[j] * gamma[j] + beta[j]
-    else:
-        m = mean[i]
-        s = inv_std[i]
-        for j in range(c):
-            x_hat[j] = (z[j] - m) * s
-            a[j] = x_hat[j] * gamma[j] + beta[j]
+# The norm and activation, fused, SPAN rows (pixels of C channels) at a time -------------
+# Arrays here are 2-D (rows, C) views of (N, OH, OW, OC), indexed [row, channel]. The
+# helpers below take SPAN rows a call: a call a row (passing arrays costs reference counts)
+# made these passes 5 ns a value where C is 16, 30x a loop's. The activation's choice
+# stays outside the channel loops, so that the common ones (ReLU, ReLU6, identity)
+# vectorise. Buffers: (SPAN, C) of the compute dtype a thread.
+SPAN = 32
 
 
-@njit(inline="always", cache=True)
-def _activate_row(code, a, p, y):
-    c = a.shape[0]
-    if code == _RELU:
-        for j in range(c):
-            v = a[j]
-            y[j] = 0.0 if v < 0.0 else v
-    elif code == _RELU6:
-        for j in range(c):
-            v = a[j]
-            y[j] = 0.0 if v < 0.0 else (RELU6_CAP if v > RELU6_CAP else v)
-    elif code == _IDENTITY:
-        for j in range(c):
-            y[j] = a[j]
-    else:
-        for j in range(c):
-            y[j] = activate(code, np.float64(a[j]), p)
+@njit(cache=True)
+def _norm_rows(mode, z, t0, t1, pixels, mean, inv_std, gamma, beta, x_hat, a):
+    """x_hat = (z - mean) * inv_std and a = x_hat * gamma + beta over rows t0..t1 into
+    x_hat[:t1 - t0], a[:t1 - t0] (statistics per channel, or per sample: row t is of
+    sample t // pixels); a = z without a norm."""
+    c = z.shape[1]
+    for t in range(t0, t1):
+        r = t - t0
+        if mode == NO_NORM:
+            for j in range(c):
+                a[r, j] = z[t, j]
+        elif mode == BATCH_NORM:
+            for j in range(c):
+                x_hat[r, j] = (z[t, j] - mean[j]) * inv_std[j]
+                a[r, j] = x_hat[r, j] * gamma[j] + beta[j]
+        else:
+            i = t // pixels
+            m = mean[i]
+            s = inv_std[i]
+            for j in range(c):
+                x_hat[r, j] = (z[t, j] - m) * s
+                a[r, j] = x_hat[r, j] * gamma[j] + beta[j]
 
 
-@njit(inline="always", cache=True)
-def _grad_row(code, a, p, d_y, d_a):
-    """d_a = f'(a) * d_y over one row."""
-    c = a.shape[0]
-    if code == _RELU:
-        for j in range(c):
-            d_a[j] = d_y[j] if a[j] > 0.0 else 0.0
-    elif code == _RELU6:
-        for j in range(c):
-            d_a[j] = d_y[j] if (a[j] > 0.0 and a[j] < RELU6_CAP) else 0.0
-    elif code == _IDENTITY:
-        for j in range(c):
-            d_a[j] = d_y[j]
-    else:
-        for j in range(c):
-            d_a[j] = derivative(code, np.float64(a[j]), p) * d_y[j]
+@njit(cache=True)
+def _activate_rows(code, a, p, y, t0, t1):
+    """y[t0:t1] = f(a[:t1 - t0])."""
+    c = a.shape[1]
+    for t in range(t0, t1):
+        r = t - t0
+        if code == _RELU:
+            for j in range(c):
+                v = a[r, j]
+                y[t, j] = 0.0 if v < 0.0 else v
+        elif code == _RELU6:
+            for j in range(c):
+                v = a[r, j]
+                y[t, j] = 0.0 if v < 0.0 else (RELU6_CAP if v > RELU6_CAP else v)
+        elif code == _IDENTITY:
+            for j in range(c):
+                y[t, j] = a[r, j]
+        else:
+            for j in range(c):
+                y[t, j] = activate(code, np.float64(a[r, j]), p)
+
+
+@njit(cache=True)
+def _grad_rows(code, a, p, d_y, t0, t1, d_a):
+    """d_a[:t1 - t0] = f'(a) * d_y[t0:t1]."""
+    c = a.shape[1]
+    for t in range(t0, t1):
+        r = t - t0
+        if code == _RELU:
+            for j in range(c):
+                d_a[r, j] = d_y[t, j] if a[r, j] > 0.0 else 0.0
+        elif code == _RELU6:
+            for j in range(c):
+                d_a[r, j] = d_y[t, j] if (a[r, j] > 0.0 and a[r, j] < RELU6_CAP) else 0.0
+        elif code == _IDENTITY:
+            for j in range(c):
+                d_a[r, j] = d_y[t, j]
+        else:
+            for j in range(c):
+                d_a[r, j] = derivative(code, np.float64(a[r, j]), p) * d_y[t, j]
 
 
 @njit(nogil=True, cache=True)
-def _forward_epilogue(first, end, z, mode, mean, inv_std, gamma, beta, code, p, y):
-    n, pixels, c = z.shape
-    rows = n * pixels
-    x_hat = np.empty(c, z.dtype)
-    a = np.empty(c, z.dtype)
-    for k in range(first, end):
-        for t in range(k * CHUNK_ROWS, min(rows, (k + 1) * CHUNK_ROWS)):
-            i, q = t // pixels, t % pixels
-            _norm_row(mode, z[i, q], i, mean, inv_std, gamma, beta, x_hat, a)
-            _activate_row(code, a, p, y[i, q])
+def _forward_epilogue(first, end, z, pixels, mode, mean, inv_std, gamma, beta, code, p, y):
+    rows, c = z.shape
+    x_hat = np.empty((SPAN, c), z.dtype)
+    a = np.empty((SPAN, c), z.dtype)
+    for t0 in range(first * SPAN, min(rows, end * SPAN), SPAN):
+        t1 = min(rows, t0 + SPAN)
+        _norm_rows(mode, z, t0, t1, pixels, mean, inv_std, gamma, beta, x_hat, a)
+        _activate_rows(code, a, p, y, t0, t1)
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    """(N, P, C) -> (N*P, C), a view."""
+    return a.reshape(-1, a.shape[-1])
 
 
 def forward_epilogue(z, mode, mean, inv_std, gamma, beta, code, p, y) -> None:
     """y = f(gamma * (z - mean) * inv_std + beta) (f(z) with NO_NORM), z and y (N, P, C)."""
     rows = z.shape[0] * z.shape[1]
-    run_tasks(_forward_epilogue, (rows + CHUNK_ROWS - 1) // CHUNK_ROWS, z.size, z, mode, mean, inv_std, gamma,
-              beta, code, p, y)
+    run_tasks(_forward_epilogue, (rows + SPAN - 1) // SPAN, z.size, _rows(z), z.shape[1], mode, mean,
+              inv_std, gamma, beta, code, p, _rows(y))
 
 
 @njit(nogil=True, cache=True)
-def _backward_sums(first, end, z, d_y, mode, mean, inv_std, gamma, beta, code, p, by_channel, by_sample):
-    n, pixels, c = z.shape
-    chunks = by_channel.shape[0] // n
-    x_hat = np.empty(c, z.dtype)
-    a = np.empty(c, z.dtype)
-    d_a = np.empty(c, z.dtype)
-    for t in range(first, end):
-        i, k = t // chunks, t % chunks
-        s_a = by_channel[t, 0]
-        s_ax = by_channel[t, 1]
-        for q in range(k * CHUNK_ROWS, min(pixels, (k + 1) * CHUNK_ROWS)):
-            _norm_row(mode, z[i, q], i, mean, inv_std, gamma, beta, x_hat, a)
-            _grad_row(code, a, p, d_y[i, q], d_a)
-            for j in range(c):
-                s_a[j] += d_a[j]
-                s_ax[j] += np.float64(d_a[j]) * x_hat[j]
-            if mode == LAYER_NORM:
+def _backward_sums(first, end, z, d_y, pixels, mode, mean, inv_std, gamma, beta, code, p, by_channel, by_sample):
+    c = z.shape[1]
+    chunks = (pixels + CHUNK_ROWS - 1) // CHUNK_ROWS
+    x_hat = np.empty((SPAN, c), z.dtype)
+    a = np.empty((SPAN, c), z.dtype)
+    d_a = np.empty((SPAN, c), z.dtype)
+    for task in range(first, end):
+        i, k = task // chunks, task % chunks
+        s_a = by_channel[task, 0]
+        s_ax = by_channel[task, 1]
+        end_row = i * pixels + min(pixels, (k + 1) * CHUNK_ROWS)
+        for t0 in range(i * pixels + k * CHUNK_ROWS, end_row, SPAN):
+            t1 = min(end_row, t0 + SPAN)
+            _norm_rows(mode, z, t0, t1, pixels, mean, inv_std, gamma, beta, x_hat, a)
+            _grad_rows(code, a, p, d_y, t0, t1, d_a)
+            for r in range(t1 - t0):
                 for j in range(c):
-                    g = np.float64(d_a[j]) * gamma[j]
-                    by_sample[t, 0] += g
-                    by_sample[t, 1] += g * x_hat[j]
+                    s_a[j] += d_a[r, j]
+                    s_ax[j] += np.float64(d_a[r, j]) * x_hat[r, j]
+                if mode == LAYER_NORM:
+                    for j in range(c):
+                        g = np.float64(d_a[r, j]) * gamma[j]
+                        by_sample[task, 0] += g
+                        by_sample[task, 1] += g * x_hat[r, j]
 
 
 def backward_sums(z, d_y, mode, mean, inv_std, gamma, beta, code, p) -> tuple[np.ndarray, np.ndarray]:
     """The norm's backward sums, float64: per channel (2, C) sum(d_a) and sum(d_a * x_hat)
     (d_beta, d_gamma), and, for layer norm, per sample (2, N) sum(d_a * gamma) and
     sum(d_a * gamma * x_hat) (its means need them); fixed chunks of rows within each
-    sample, added in order. d_a = f'(a) * d_y, a the activation's input."""
+    sample, added in order. d_a = f'(a) * d_y, a the activation's input; z, d_y (N, P, C)."""
     n, pixels, c = z.shape
     chunks = (pixels + CHUNK_ROWS - 1) // CHUNK_ROWS
     by_channel = np.zeros((n * chunks, 2, c))
     by_sample = np.zeros((n * chunks, 2))
-    run_tasks(_backward_sums, n * chunks, 2 * z.size, z, d_y, mode, mean, inv_std, gamma, beta, code, p,
-              by_channel, by_sample)
+    run_tasks(_backward_sums, n * chunks, 2 * z.size, _rows(z), _rows(d_y), pixels, mode, mean, inv_std, gamma, beta,
+              code, p, by_channel, by_sample)
     sample = in_order(by_sample.reshape(n, chunks, 2).transpose(1, 0, 2).copy())  # (N, 2)
     return in_order(by_channel), sample.T.copy()
 
 
 @njit(nogil=True, cache=True)
-def _backward_epilogue(first, end, z, d_y, mode, mean, inv_std, gamma, beta, code, p, batch_stats, mean_g, mean_gx,
-                       d_z):
-    n, pixels, c = z.shape
-    rows = n * pixels
-    x_hat = np.empty(c, z.dtype)
-    a = np.empty(c, z.dtype)
-    for k in range(first, end):
-        for t in range(k * CHUNK_ROWS, min(rows, (k + 1) * CHUNK_ROWS)):
-            i, q = t // pixels, t % pixels
-            _norm_row(mode, z[i, q], i, mean, inv_std, gamma, beta, x_hat, a)
-            out = d_z[i, q]
-            _grad_row(code, a, p, d_y[i, q], out)
+def _backward_epilogue(first, end, z, d_y, pixels, mode, mean, inv_std, gamma, beta, code, p, batch_stats, mean_g,
+                       mean_gx, d_z):
+    rows, c = z.shape
+    x_hat = np.empty((SPAN, c), z.dtype)
+    a = np.empty((SPAN, c), z.dtype)
+    d_a = np.empty((SPAN, c), z.dtype)
+    for t0 in range(first * SPAN, min(rows, end * SPAN), SPAN):
+        t1 = min(rows, t0 + SPAN)
+        _norm_rows(mode, z, t0, t1, pixels, mean, inv_std, gamma, beta, x_hat, a)
+        _grad_rows(code, a, p, d_y, t0, t1, d_a)
+        for t in range(t0, t1):
+            r = t - t0
             if mode == NO_NORM:
-                continue
-            if not batch_stats:
                 for j in range(c):
-                    out[j] = out[j] * gamma[j] * inv_std[j]
+                    d_z[t, j] = d_a[r, j]
+            elif not batch_stats:
+                for j in range(c):
+                    d_z[t, j] = d_a[r, j] * gamma[j] * inv_std[j]
             elif mode == BATCH_NORM:
                 for j in range(c):
-                    out[j] = inv_std[j] * (out[j] * gamma[j] - mean_g[j] - x_hat[j] * mean_gx[j])
+                    d_z[t, j] = inv_std[j] * (d_a[r, j] * gamma[j] - mean_g[j] - x_hat[r, j] * mean_gx[j])
             else:
+                i = t // pixels
                 s, m_g, m_gx = inv_std[i], mean_g[i], mean_gx[i]
                 for j in range(c):
-                    out[j] = s * (out[j] * gamma[j] - m_g - x_hat[j] * m_gx)
+                    d_z[t, j] = s * (d_a[r, j] * gamma[j] - m_g - x_hat[r, j] * m_gx)
 
 
 def backward_epilogue(z, d_y, mode, mean, inv_std, gamma, beta, code, p, batch_stats, mean_g, mean_gx, d_z) -> None:
@@ -381,8 +404,8 @@ def backward_epilogue(z, d_y, mode, mean, inv_std, gamma, beta, code, p, batch_s
     from the batch (mean_g, mean_gx indexed as the statistics: per channel or per sample);
     d_a * gamma * inv_std where they were fixed."""
     rows = z.shape[0] * z.shape[1]
-    run_tasks(_backward_epilogue, (rows + CHUNK_ROWS - 1) // CHUNK_ROWS, 2 * z.size, z, d_y, mode, mean, inv_std,
-              gamma, beta, code, p, batch_stats, mean_g, mean_gx, d_z)
+    run_tasks(_backward_epilogue, (rows + SPAN - 1) // SPAN, 2 * z.size, _rows(z), _rows(d_y),
+              z.shape[1], mode, mean, inv_std, gamma, beta, code, p, batch_stats, mean_g, mean_gx, _rows(d_z))
 
 
 # Depthwise convolutions (groups = C, each input channel makes `mult` output channels) -----

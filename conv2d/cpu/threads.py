@@ -1,12 +1,14 @@
 """How many threads the CPU backend's calls use, and setting them.
 
-The rule: `threads=None` (the default of `Conv2d(spec, "cpu")`) runs the compiled loops
-on numba's count (`NUMBA_NUM_THREADS`: the cores, unless set) and leaves BLAS at its own;
-an int sets both to it for each call; "torch" (what conv2d.torch's module passes) sets
-both to `torch.get_num_threads()` at each call, so that a PyTorch caller's thread count
-is ours too and never more. The loops and BLAS run one after the other, never at once.
-The results are the same bits whatever the count (conv2d.cpu.kernels' fixed chunks; BLAS
-splits a product's rows and columns among threads, never its sums).
+The rule: the backend's work is split into tasks fixed by the shapes (chunks of rows,
+blocks of samples), run on a pool of threads (conv2d.cpu.kernels.run_tasks); BLAS runs
+one thread inside each task (set once for the process with threadpoolctl: BLAS's own
+pool spins between calls and took the cores from ours). How many threads share the
+tasks: `threads=None` (the default of `Conv2d(spec, "cpu")`): numba's configured count
+(`NUMBA_NUM_THREADS`: the cores, unless set); an int: that many; "torch" (what
+conv2d.torch's module passes): `torch.get_num_threads()` at each call, so that a PyTorch
+caller's setting is ours too and never more. The results are the same bits whatever the
+count: the tasks and the order their partial sums are added in do not depend on it.
 """
 
 from __future__ import annotations
@@ -45,13 +47,11 @@ def count() -> int:
 
 
 def use(count: int | None) -> None:
-    """Set the compiled loops' count and BLAS's (the process's, only when it changes);
-    None: numba's configured count, BLAS left alone."""
+    """Set the count the next calls' tasks run on (None: numba's configured count), and
+    BLAS to one thread (once: the process's setting, checked by threadpoolctl)."""
     _COUNT[0] = count
-    if count is None:
-        return
-    if _BLAS_SET[0] != count:
+    if _BLAS_SET[0] != 1:
         from threadpoolctl import threadpool_limits
 
-        threadpool_limits(limits=count, user_api="blas")
-        _BLAS_SET[0] = count
+        threadpool_limits(limits=1, user_api="blas")
+        _BLAS_SET[0] = 1
