@@ -4,7 +4,8 @@ side by side in one process, timed in turns.
 
     python scripts/bench_networks.py [--device cuda|cpu] [--networks nature_dqn,impala_cnn,cifar_resnet]
         [--precisions default,strict,bfloat16] [--modes eager,graph,compile,reduce-overhead]
-        [--rows train,act,loop] [--rounds 5] [--iters 10] [--out DIR] [--isolate] [--torch-deterministic]
+        [--rows train,act,loop] [--rounds 5] [--iters 10] [--threads 1,all] [--out DIR] [--isolate]
+        [--torch-deterministic]
 
 Rows: the training step (forward, loss, backward, Adam step; the network's training batch)
 and acting (eval, no_grad, batch 1, then a synchronisation). Precisions: "default"
@@ -16,7 +17,9 @@ TF32 off on both sides), "bfloat16". Modes: eager; the whole step captured in
 timing PyTorch then ours for `--iters` calls after warm-up (so both see the machine at the
 same moment); the ratio is ours / PyTorch (below 1: ours is faster). GPU rows time with
 CUDA events (GPU ms) and the wall clock; CPU rows with the wall clock only (modes eager
-and compile). Row "loop": the Breakout demo's DQN loop end to end in environment steps
+and compile). On the CPU each row runs at each of `--threads` (torch.set_num_threads on
+both sides; "all": the cores): the module runs the cpu backend, which follows that count
+(conv2d.cpu.threads). Row "loop": the Breakout demo's DQN loop end to end in environment steps
 per second (scripts/rl_loop.py: plain PyTorch eager, with the module, with PyTorch's
 training step in torch.cuda.graph, and this library's demo path), its variants timed in
 turns. `--torch-deterministic` (CUDA) times a third side in the same turns: PyTorch with
@@ -218,12 +221,21 @@ def failure(e: Exception) -> str:
     return f"failed ({side}{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
 
 
-def compare(name: str, precision: str, mode: str, row: str, args) -> dict | None:
+def thread_count(given: str) -> int:
+    """A `--threads` entry as a count: "all" is the cores."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if given == "all" else int(given)
+
+
+def compare(name: str, precision: str, mode: str, row: str, args, threads: str = "all") -> dict | None:
     """Both sides' median (GPU, wall) ms of `row` ("train" or "act"); None where the mode
-    does not apply (graphs on the CPU)."""
+    does not apply (graphs on the CPU). On the CPU both sides run `threads` threads."""
     device = args.device
     if device == "cpu" and mode in ("graph", "reduce-overhead"):
         return None
+    if device == "cpu":
+        torch.set_num_threads(thread_count(threads))
     dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
     if device == "cuda":
         torch.backends.cudnn.allow_tf32 = precision == "default"
@@ -292,14 +304,15 @@ def is_cuda_error(e: Exception) -> bool:
     return False
 
 
-def run_alone(args, name: str, precision: str, mode: str, row: str) -> dict:
+def run_alone(args, name: str, precision: str, mode: str, row: str, threads: str = "all") -> dict:
     """One comparison (or, row "loop", the loop's table) in a process of its own: what
     `--one` prints, {"times": compare's result or None} or {"failed": the cell} or
     {"lines": the loop's}; a process that dies without saying is a failed cell."""
     command = [sys.executable, str(Path(__file__).resolve()), "--one", "--device", args.device, "--networks", name,
                "--precisions", precision, "--modes", mode, "--rows", row, "--rounds", str(args.rounds),
                "--iters", str(args.iters), "--loop-warmup", str(args.loop_warmup),
-               "--loop-steps", str(args.loop_steps)] + (["--torch-deterministic"] if args.torch_deterministic else [])
+               "--loop-steps", str(args.loop_steps), "--threads", threads] + \
+        (["--torch-deterministic"] if args.torch_deterministic else [])
     if args.train_batch:
         command += ["--train-batch", str(args.train_batch)]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -317,17 +330,46 @@ def one(args, precisions: list[str], modes: list[str], rows: list[str]) -> None:
         print(json.dumps({"lines": loop_table(args)}))
         return
     try:
-        got = compare(name, precision, mode, row, args)
+        got = compare(name, precision, mode, row, args, args.threads)
     except Exception as e:  # the cell says so, as in the parent's own rows
         print(json.dumps({"failed": failure(e)}))
         return
     print(json.dumps({"times": got}))
 
 
+def row_line(args, name: str, row: str, precision: str, mode: str, threads: str, cuda: bool, det: bool,
+             columns: int, alone: bool) -> tuple[str, bool] | None:
+    """(the table line of one comparison, whether later rows run alone), or None where the
+    mode does not apply."""
+    failed = got = None
+    if alone:
+        said = run_alone(args, name, precision, mode, row, threads)
+        failed, got = said.get("failed"), said.get("times")
+    else:
+        try:
+            got = compare(name, precision, mode, row, args, threads)
+        except Exception as e:  # a mode that fails is a finding: its row says so
+            failed = failure(e)
+            alone = alone or is_cuda_error(e)
+    first = f"| {name} | {row} | {precision} | {mode} | " + ("" if cuda else f"{thread_count(threads)} | ")
+    if failed is not None:
+        return f"{first}{failed} |{' |' * (columns - 1)}", alone
+    if got is None:
+        return None
+    (og, ow), (tg, tw) = got["ours"], got["torch"]
+    gpu = f"{og:.3f} | {tg:.3f} | {og / tg:.2f} | " if cuda else ""
+    line = f"{first}{gpu}{ow:.3f} | {tw:.3f} | {ow / tw:.2f} |"
+    if det:
+        dg = got["torch_det"][0]
+        line += f" {dg:.3f} | {og / dg:.2f} |"
+    return line, alone
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
-    ap.add_argument("--networks", default=",".join(NETWORKS))
+    ap.add_argument("--networks", default=None, help="default: all on CUDA; " + ",".join(CPU_NETWORKS) + " on the CPU")
+    ap.add_argument("--threads", default="1,all", help="CPU: the thread counts to run each row at (\"all\": the cores)")
     ap.add_argument("--precisions", default=None, help="default: all three on CUDA; strict,bfloat16 on the CPU")
     ap.add_argument("--modes", default=None, help="default: all four on CUDA; eager,compile on the CPU")
     ap.add_argument("--rows", default="train,act,loop", help="train, act (tables by network) and loop (the DQN "
@@ -344,6 +386,11 @@ def main() -> None:
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child of run_alone
     args = ap.parse_args()
     cuda = args.device == "cuda"
+    args.networks = args.networks or ",".join(NETWORKS if cuda else CPU_NETWORKS)
+    thread_counts = ["all"] if cuda else args.threads.split(",")
+    bad = [t for t in thread_counts if t != "all" and not t.isdigit()]
+    if bad or not thread_counts:
+        ap.error(f"--threads: expected counts or 'all', got {args.threads!r}")
     precisions = (args.precisions or ("default,strict,bfloat16" if cuda else "strict,bfloat16")).split(",")
     modes = (args.modes or (",".join(MODES) if cuda else "eager,compile")).split(",")
     for what, given, known in (("precision", precisions, PRECISIONS), ("mode", modes, MODES),
@@ -359,16 +406,18 @@ def main() -> None:
     if bad:
         ap.error(f"unknown row {bad}; expected from ['train', 'act', 'loop']")
     if args.one:
-        if len(precisions) != 1 or len(modes) != 1 or len(rows) != 1 or "," in args.networks:
-            ap.error("--one: expected one network, precision, mode and row")
+        if len(precisions) != 1 or len(modes) != 1 or len(rows) != 1 or "," in args.networks or \
+                len(thread_counts) != 1:
+            ap.error("--one: expected one network, precision, mode, row and thread count")
         one(args, precisions, modes, rows)
         return
     det = args.torch_deterministic
     gpu_columns = "ours GPU ms | torch GPU ms | ratio | " if cuda else ""
     det_columns = " torch deterministic GPU ms | ratio |" if det else ""
     columns = (6 if cuda else 3) + (2 if det else 0)
-    head = (f"| network | row | precision | mode | {gpu_columns}ours wall ms | torch wall ms | ratio |{det_columns}\n"
-            f"| --- | --- | --- | --- | {'---: | ' * columns}".rstrip())
+    thread_column = "" if cuda else "threads | "
+    head = (f"| network | row | precision | mode | {thread_column}{gpu_columns}ours wall ms | torch wall ms | ratio |"
+            f"{det_columns}\n| --- | --- | --- | --- | {'' if cuda else '---: | '}{'---: | ' * columns}".rstrip())
     lines = [head]
     print(head, flush=True)
     alone = args.isolate  # each row in a process of its own: asked for, or since a CUDA error
@@ -376,29 +425,13 @@ def main() -> None:
         for row in (r for r in rows if r != "loop"):
             for precision in precisions:
                 for mode in modes:
-                    failed = got = None
-                    if alone:
-                        said = run_alone(args, name, precision, mode, row)
-                        failed, got = said.get("failed"), said.get("times")
-                    else:
-                        try:
-                            got = compare(name, precision, mode, row, args)
-                        except Exception as e:  # a mode that fails is a finding: its row says so
-                            failed = failure(e)
-                            alone = alone or is_cuda_error(e)
-                    if failed is not None:
-                        line = f"| {name} | {row} | {precision} | {mode} | {failed} |{' |' * (columns - 1)}"
-                    else:
-                        if got is None:
+                    for threads in thread_counts:
+                        line = row_line(args, name, row, precision, mode, threads, cuda, det, columns, alone)
+                        if line is None:
                             continue
-                        (og, ow), (tg, tw) = got["ours"], got["torch"]
-                        gpu = f"{og:.3f} | {tg:.3f} | {og / tg:.2f} | " if cuda else ""
-                        line = f"| {name} | {row} | {precision} | {mode} | {gpu}{ow:.3f} | {tw:.3f} | {ow / tw:.2f} |"
-                        if det:
-                            dg = got["torch_det"][0]
-                            line += f" {dg:.3f} | {og / dg:.2f} |"
-                    lines.append(line)
-                    print(line, flush=True)
+                        line, alone = line
+                        lines.append(line)
+                        print(line, flush=True)
     if "loop" in rows:
         if alone:
             said = run_alone(args, "nature_dqn", precisions[0], modes[0], "loop")
