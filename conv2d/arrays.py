@@ -20,6 +20,8 @@ import numpy as np
 from conv2d.checks import check_plain_array, describe
 
 NUMPY, TORCH, CUPY, NUMBA, CUDA_ARRAY = "numpy", "torch", "cupy", "numba", "cuda_array_interface"
+# torch's device type of host memory (a torch device, not the backend of that name).
+HOST_DEVICE = "cpu"
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -43,7 +45,7 @@ def host_view(name: str, a: Any) -> tuple[np.ndarray, str]:
         check_plain_array(name, a, "a numpy.ndarray or a torch CPU tensor")
         return a, lib
     if lib == TORCH and hasattr(a, "device"):
-        if a.device.type != "cpu":
+        if a.device.type != HOST_DEVICE:
             raise TypeError(f"{name}: expected a NumPy array or a torch CPU tensor (this backend runs on the CPU), "
                             f"got a tensor on {a.device}")
         import torch

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from conv2d.arrays import content_mark, equal_host_arrays, library, same_memory
+from conv2d.arrays import HOST_DEVICE, content_mark, equal_host_arrays, library, same_memory
 from conv2d import backend as backends
 from conv2d.backend import Backend, Functions
 from conv2d.spec import LayerSpec, Normalization
@@ -364,4 +364,4 @@ def _no_autograd(name: str, a: Any) -> None:
 
 def _on_device(a: Any) -> bool:
     device = getattr(a, "device", None)
-    return getattr(device, "type", "cpu") != "cpu"
+    return getattr(device, "type", HOST_DEVICE) != HOST_DEVICE

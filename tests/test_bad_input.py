@@ -37,7 +37,7 @@ def test_constructor_rejects_a_non_spec():
 
 
 def test_constructor_rejects_an_unknown_backend():
-    with pytest.raises(ValueError, match=r"backend: expected one of \['reference', 'cuda'\], got 'tpu'"):
+    with pytest.raises(ValueError, match=r"backend: expected one of \['reference', 'cpu', 'cuda'\], got 'tpu'"):
         Conv2d(SPEC, backend="tpu")
 
 

@@ -21,7 +21,7 @@ def test_check_refuses_unknown_or_no_backends_as_a_usage_error(capsys, backends)
     with pytest.raises(SystemExit) as e:
         main(["check", "--backends", backends])
     assert e.value.code == 2
-    assert "--backends: expected a comma list of reference, cuda" in capsys.readouterr().err
+    assert "--backends: expected a comma list of reference, cpu, cuda" in capsys.readouterr().err
 
 
 def test_check_fails_when_a_backend_it_was_asked_for_cannot_run(capsys):

@@ -310,7 +310,7 @@ def test_a_layer_shared_between_threads_runs_each_call_whole():
 
 # 10. Clear errors -----------------------------------------------------------------------------
 def test_an_unhashable_backend_name_gets_a_clear_error():
-    with pytest.raises(ValueError, match=r"backend: expected one of \['reference', 'cuda'\], got \['x'\]"):
+    with pytest.raises(ValueError, match=r"backend: expected one of \['reference', 'cpu', 'cuda'\], got \['x'\]"):
         Conv2d(SPEC, backend=["x"])
 
 

@@ -142,23 +142,24 @@ def test_after_a_cuda_error_the_networks_benchmark_runs_each_later_row_in_a_proc
         pass
     ran_here, ran_alone = [], []
 
-    def compare(name, precision, mode, row, args):
+    def compare(name, precision, mode, row, args, threads="all"):
         ran_here.append(row)
         raise bench_networks.SideFailed("ours", "timed runs") from AcceleratorError(
             "CUDA error: an illegal memory access was encountered")
 
-    def run_alone(args, name, precision, mode, row):
+    def run_alone(args, name, precision, mode, row, threads="all"):
         ran_alone.append(row)
         return {"times": {"ours": [2.0, 2.0], "torch": [1.0, 1.0]}}
     monkeypatch.setattr(bench_networks, "compare", compare)
     monkeypatch.setattr(bench_networks, "run_alone", run_alone)
     monkeypatch.setattr(sys, "argv", ["bench_networks.py", "--device", "cpu", "--networks", "digits_cnn",
-                                      "--precisions", "strict,bfloat16", "--modes", "eager", "--rows", "train,act"])
+                                      "--precisions", "strict,bfloat16", "--modes", "eager", "--rows", "train,act",
+                                      "--threads", "1"])
     bench_networks.main()
     out = capsys.readouterr().out
     assert ran_here == ["train"] and ran_alone == ["train", "act", "act"]
-    assert "| digits_cnn | train | strict | eager | failed (our side, timed runs: AcceleratorError: CUDA error" in out
-    assert "| digits_cnn | act | bfloat16 | eager | 2.000 | 1.000 | 2.00 |" in out
+    assert "| digits_cnn | train | strict | eager | 1 | failed (our side, timed runs: AcceleratorError: CUDA error" in out
+    assert "| digits_cnn | act | bfloat16 | eager | 1 | 2.000 | 1.000 | 2.00 |" in out
 
 
 def test_a_row_run_alone_reports_what_its_process_measured_or_how_it_ended():

@@ -142,11 +142,10 @@ class Conv2dNormActivation(nn.Module):
     when `torch.backends.cudnn.benchmark` is on, as PyTorch does for its own, unless
     `backend_options` gives `autotune`.
     `backend_options`: a dict of the CUDA backend's options (e.g. {"allow_tf32": True};
-    `conv2d.backend.get("cuda").options` lists them), checked here. `cpu_backend`: what
-    CPU tensors run on: "cpu" (compiled, as many threads as `torch.get_num_threads()`,
-    the same bits for any count) or "reference" (the plain NumPy oracle, to debug
-    against). `batch_invariant`: LayerSpec's (a sample's results bitwise the same whatever
-    batch it is in, on either device).
+    `conv2d.backend.get("cuda").options` lists them), checked here. `cpu_backend`: "cpu"
+    (compiled, `torch.get_num_threads()` threads, the same bits for any count) or
+    "reference" (the plain NumPy oracle, to debug against) for CPU tensors.
+    `batch_invariant`: LayerSpec's (a sample's bits the same whatever its batch).
 
     `nn.Conv2d`'s and `nn.BatchNorm2d`'s other arguments are taken by name and run on both
     devices: `momentum=None` (the cumulative average; the batch's statistics go through
