@@ -18,10 +18,12 @@ gradients, d_x and the weight gradients. Arrays: as the reference's.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 import numpy as np
 
+from conv2d.activations import DEFAULT_PARAMETER
 from conv2d.arrays import host_view, to_library
 from conv2d.checks import check_numpy
 from conv2d.cpu import conv, kernels, params as checked, threads as pool
@@ -92,9 +94,9 @@ def _norm_parameters(spec: LayerSpec, params: dict, ct: np.dtype) -> tuple[np.nd
     return np.ones(spec.out_channels, ct), np.zeros(spec.out_channels, ct)
 
 
+@functools.lru_cache(maxsize=256)
 def _activation(spec: LayerSpec) -> tuple[int, float]:
-    from conv2d.activations import DEFAULT_PARAMETER
-
+    """(the activation's kernel code, its parameter) of a spec (a layer asks every call)."""
     p = spec.activation_parameter
     return kernels.ACTIVATION_CODES[spec.activation], float(DEFAULT_PARAMETER.get(spec.activation, 0.0) if p is None
                                                               else p)
