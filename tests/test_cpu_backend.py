@@ -118,3 +118,24 @@ def test_layer_norm_sums_over_several_chunks_equal_exact_sums():
     sums, squares = kernels.row_sums(a, np.zeros(3))
     np.testing.assert_allclose(sums, [math.fsum(r) for r in a.astype(np.float64)], rtol=1e-13)
     np.testing.assert_allclose(squares, [math.fsum(r * r) for r in a.astype(np.float64)], rtol=1e-13)
+
+
+def test_a_stack_on_the_cpu_backend_trains_as_on_the_reference():
+    """Sequential.from_specs(..., backend="cpu"): outputs, d_x and every layer's gradient
+    agree with the reference's stack in float64."""
+    from conv2d import Sequential
+    from test_sequential import specs
+
+    rng = np.random.default_rng(2)
+    stacks = [Sequential.from_specs(specs("float64"), backend=b) for b in ("reference", "cpu")]
+    stacks[0].init_weights(rng)
+    stacks[1].load_state_dict(stacks[0].state_dict())
+    x = rng.standard_normal((3, *specs("float64")[0].input_shape[1:]))
+    ys = [s.forward(x, training=True) for s in stacks]
+    np.testing.assert_allclose(ys[1], ys[0], rtol=1e-12, atol=1e-12)
+    d_y = rng.standard_normal(ys[0].shape)
+    d_xs = [s.backward_full(x, d_y) for s in stacks]
+    np.testing.assert_allclose(d_xs[1], d_xs[0], rtol=1e-11, atol=1e-12)
+    for a, b in zip(*stacks):
+        for k, g in a.grad_dict().items():
+            np.testing.assert_allclose(b.grad_dict()[k], g, rtol=1e-10, atol=1e-12, err_msg=k)
