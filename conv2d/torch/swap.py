@@ -1,21 +1,31 @@
-"""`swap(model)`: every `Conv2d [+ BatchNorm2d or GroupNorm(1, C)] [+ activation]` run of an
-`nn.Sequential` in a model becomes one `Conv2dNormActivation`, in place; `unswap(model)`
-puts PyTorch's modules back. Checkpoints load either way: a swapped model's `state_dict`
-has the original model's keys, and its `load_state_dict` takes them.
+"""`swap(model)`: every `Conv2d [-> BatchNorm2d or GroupNorm(1, C)] [-> activation]` chain that
+a model's forward runs becomes one `Conv2dNormActivation`, in place; `unswap(model)` puts
+PyTorch's modules back. Checkpoints load either way: a swapped model's `state_dict` has
+the original model's keys in the original order, and its `load_state_dict` takes them.
 
-Runs are found in `nn.Sequential` containers only (torchvision's Conv2dNormActivation is
-one), where the order of the children is the order they run in; a custom module's
-attributes (ResNet's conv1, bn1, relu) say nothing about what its forward does between
-them, and are left alone. The module takes the Conv2d's place and the norm and the
-activation become `nn.Identity`, so every index and name stays. Every nn.Conv2d converts,
-with its groups, dilation, padding strings and modes, on either device, and so do
-nn.BatchNorm2d and nn.GroupNorm(1, C) with any of their options; an activation it has no
-name for ends the run (it stays after the module).
-Hooks registered on the replaced modules do not move to the new one.
+What forward does is read from a `torch.fx` symbolic trace of the model: a convolution
+whose only use is a norm module, whose only use is an activation module (or a convolution
+straight into an activation), each module called once, becomes one module, whatever
+attributes hold the parts (ResNet's conv1, bn1, relu; a Sequential's 0, 1, 2). A chain
+stops where a value is used elsewhere (a residual add, a pooling, a second reader) or a
+module is called at several places (torchvision's BasicBlock calls its `relu` twice: its
+conv1 and bn1 convert, the ReLU stays). Every other nn.Conv2d converts alone (norm and
+activation "none"), so each one the forward calls runs here. Where tracing fails (data-
+dependent control flow, an untraceable call), the runs of each `nn.Sequential`'s children
+convert instead, and the report says why.
+
+The new module takes the Conv2d's place and shares its tensors (the same Parameter
+objects: an optimizer made before the swap still trains them); the norm and the
+activation become `nn.Identity`, so every name stays. `unswap` puts the original module
+objects back, flags (`inplace=True`) and hooks included, holding the swapped module's
+current tensors. `swap(model, report=True)` returns (model, SwapReport): what converted
+and, for each convolution left, why. Hooks registered on the replaced modules do not run
+while they are swapped out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -25,21 +35,46 @@ from conv2d.torch.module import Conv2dNormActivation
 
 _ACTIVATIONS = {nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.Identity: "identity", nn.SiLU: "silu",
                 nn.ReLU6: "relu6", nn.Hardswish: "hardswish", nn.LeakyReLU: "leaky_relu", nn.ELU: "elu"}
-_HANDLES = "_conv2d_swap_handles"  # on each container that holds swapped modules: its hooks
+_HANDLES = "_conv2d_swap_handles"  # on each module that renames keys for swapped ones: its hooks
+_RECORD = "_conv2d_swapped"  # on each swapped-in module: (conv, norm, activation) names and originals
+SUBCLASS = "a subclass of nn.Conv2d (its forward may do something else)"
 
 
-def _activation(module: nn.Module) -> str | None:
+@dataclasses.dataclass
+class SwapReport:
+    """What `swap` did. `traced`: whether the forward was traced (else `reason` says why,
+    and only nn.Sequential runs were read). `converted`: (conv, norm or None, activation
+    or None) qualified names of each new module. `left`: reason -> the convolutions left."""
+
+    traced: bool
+    reason: str | None
+    converted: list[tuple[str, str | None, str | None]]
+    left: dict[str, list[str]]
+
+    @property
+    def fraction(self) -> float:
+        """Converted convolutions / all nn.Conv2d modules (1.0 for a model with none)."""
+        total = len(self.converted) + sum(map(len, self.left.values()))
+        return len(self.converted) / total if total else 1.0
+
+    def __str__(self) -> str:
+        normed = sum(n is not None for _, n, _ in self.converted)
+        activated = sum(a is not None for _, _, a in self.converted)
+        lines = [f"swap: {len(self.converted)} of {len(self.converted) + sum(map(len, self.left.values()))} "
+                 f"convolutions converted ({normed} with their norm, {activated} with their activation); "
+                 + ("traced" if self.traced else f"not traced ({self.reason}): Sequential runs only")]
+        lines += [f"  left, {reason}: {len(names)} ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
+                  for reason, names in self.left.items()]
+        return "\n".join(lines)
+
+
+def _activation(module: nn.Module | None) -> str | None:
     if isinstance(module, nn.GELU):
         return {"none": "gelu", "tanh": "gelu_tanh"}[module.approximate]
     return _ACTIVATIONS.get(type(module))
 
 
-def _convertible_conv(conv: nn.Module) -> bool:
-    """An nn.Conv2d (not a subclass, whose forward may do something else)."""
-    return type(conv) is nn.Conv2d
-
-
-def _norm_kind(norm: nn.Module, channels: int) -> str | None:
+def _norm_kind(norm: nn.Module | None, channels: int) -> str | None:
     if type(norm) is nn.BatchNorm2d and norm.num_features == channels:
         return "batch_norm"
     if type(norm) is nn.GroupNorm and norm.num_groups == 1 and norm.num_channels == channels:
@@ -47,46 +82,161 @@ def _norm_kind(norm: nn.Module, channels: int) -> str | None:
     return None
 
 
-def _runs(seq: nn.Sequential) -> list[tuple[str, str | None, str | None]]:
-    """(conv name, norm name or None, activation name or None) of every run in `seq`."""
-    names = list(seq._modules)
-    runs, i = [], 0
-    while i < len(names):
-        conv = seq._modules[names[i]]
-        if conv is None or not _convertible_conv(conv):
-            i += 1
+class _Tracer(torch.fx.Tracer):
+    """torch.fx's tracer, with the modules swap makes (already swapped in) as leaves."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, Conv2dNormActivation) or super().is_leaf_module(m, qualname)
+
+
+def _only_reader(node: Any) -> Any:
+    """The one node that reads `node`'s value, where it is a module called on that value
+    alone; else None."""
+    users = list(node.users)
+    if len(users) == 1 and users[0].op == "call_module" and tuple(users[0].args) == (node,) and not users[0].kwargs:
+        return users[0]
+    return None
+
+
+def _traced_chains(model: nn.Module, modules: dict[str, nn.Module]) -> list[tuple[str, str | None, str | None]]:
+    """(conv, norm or None, activation or None) of each chain the traced forward runs,
+    then each nn.Conv2d it never calls, alone."""
+    graph = _Tracer().trace(model)
+    calls: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+    chains, seen = [], set()
+    for node in graph.nodes:
+        if node.op != "call_module" or type(modules[node.target]) is not nn.Conv2d or node.target in seen:
             continue
+        seen.add(node.target)
         norm = act = None
-        j = i + 1
-        if j < len(names) and _norm_kind(seq._modules[names[j]], conv.out_channels):
-            norm, j = names[j], j + 1
-        if j < len(names) and _activation(seq._modules[names[j]]) is not None:
-            act, j = names[j], j + 1
-        runs.append((names[i], norm, act))
-        i = j
-    return runs
+        nxt = _only_reader(node) if calls[node.target] == 1 else None
+        if nxt is not None and calls[nxt.target] == 1 and _norm_kind(modules[nxt.target],
+                                                                      modules[node.target].out_channels):
+            norm, nxt = nxt.target, _only_reader(nxt)
+        if nxt is not None and calls[nxt.target] == 1 and _activation(modules[nxt.target]) is not None:
+            act = nxt.target
+        chains.append((node.target, norm, act))
+    chains += [(name, None, None) for name, m in modules.items() if type(m) is nn.Conv2d and name not in seen]
+    return chains
 
 
-def _renamer(renames: dict[str, str]) -> Any:
-    """A function that renames the keys of a state dict under `prefix` by `renames`
-    (relative name prefixes, longest first)."""
-    order = sorted(renames, key=len, reverse=True)
+def _sequential_chains(modules: dict[str, nn.Module]) -> list[tuple[str, str | None, str | None]]:
+    """(conv, norm or None, activation or None) of each run of an nn.Sequential's children."""
+    chains = []
+    for prefix, seq in modules.items():
+        if not isinstance(seq, nn.Sequential):
+            continue
+        names = list(seq._modules)
+        i = 0
+        while i < len(names):
+            conv = seq._modules[names[i]]
+            if type(conv) is not nn.Conv2d:
+                i += 1
+                continue
+            norm = act = None
+            j = i + 1
+            if j < len(names) and _norm_kind(seq._modules[names[j]], conv.out_channels):
+                norm, j = names[j], j + 1
+            if j < len(names) and _activation(seq._modules[names[j]]) is not None:
+                act, j = names[j], j + 1
+            full = (lambda n: f"{prefix}.{n}" if prefix else n)
+            chains.append((full(names[i]), norm and full(norm), act and full(act)))
+            i = j
+    return chains
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), attr
+
+
+def _relative(name: str, prefix: str) -> str:
+    return name[len(prefix) + 1:] if prefix else name
+
+
+def _common_prefix(*names: str) -> str:
+    """The qualified name of the innermost module holding every one of `names`."""
+    parts = [n.split(".")[:-1] for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _make(conv: nn.Conv2d, norm: nn.Module | None, act: nn.Module | None) -> Conv2dNormActivation:
+    """The module for one chain, holding the chain's own tensors (the same objects where
+    it keeps them in the same dtype: a 16-bit model's norm stays float32 here, a copy)."""
+    kind = _norm_kind(norm, conv.out_channels) if norm is not None else "none"
+    options: dict[str, Any] = {}
+    if kind == "batch_norm":
+        options = dict(eps=norm.eps, momentum=norm.momentum, affine=norm.affine,
+                       track_running_stats=norm.track_running_stats)
+    elif kind == "layer_norm":
+        options = dict(eps=norm.eps, affine=norm.affine)
+    if isinstance(act, nn.LeakyReLU):
+        options["negative_slope"] = act.negative_slope
+    elif isinstance(act, nn.ELU):
+        options["alpha"] = act.alpha
+    ours = Conv2dNormActivation(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                                conv.dilation, conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode,
+                                norm=kind, activation=_activation(act) if act is not None else "identity",
+                                device=conv.weight.device, dtype=conv.weight.dtype, **options)
+    for source, target in ((conv, ours.conv), (norm, ours.norm)):
+        if source is None:
+            continue
+        for name, value in [*source.named_parameters(recurse=False), *source.named_buffers(recurse=False)]:
+            _share(target, name, value)
+    ours.train(conv.training)
+    return ours
+
+
+def _share(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Give `module` the tensor `value` as its `name` (the same object), or its values
+    where the module keeps another dtype."""
+    mine = getattr(module, name)
+    if mine is None:
+        return
+    if mine.dtype != value.dtype or mine.shape != value.shape:
+        with torch.no_grad():
+            mine.copy_(value)
+    elif name in module._parameters:
+        module._parameters[name] = value
+    else:
+        module._buffers[name] = value
+
+
+def _renamer(renames: dict[str, str], order: list[str] | None) -> Any:
+    """A function that renames the keys under `prefix` of a state dict by `renames`
+    (relative name prefixes, longest first) and, with `order` (relative keys), puts them
+    in that order (keys it does not list after those it does)."""
+    by_length = sorted(renames, key=len, reverse=True)
+    rank = {k: i for i, k in enumerate(order or [])}
 
     def rename(state: dict[str, Any], prefix: str) -> None:
-        for key in [k for k in state if k.startswith(prefix)]:
+        mine = [k for k in state if k.startswith(prefix)]
+        moved = []
+        for key in mine:
             rest = key[len(prefix):]
-            for old in order:
-                if rest.startswith(old):
-                    state[prefix + renames[old] + rest[len(old):]] = state.pop(key)
-                    break
+            new = next((renames[old] + rest[len(old):] for old in by_length if rest.startswith(old)), rest)
+            moved.append((new, state.pop(key)))
+        if order is not None:
+            moved.sort(key=lambda kv: rank.get(kv[0], len(rank)))
+        for new, value in moved:
+            state[prefix + new] = value
     return rename
 
 
-def _hook(seq: nn.Sequential, renames: dict[str, str]) -> None:
-    """State-dict hooks on `seq`: what it saves is renamed by `renames` (module keys to the
-    original model's), what it loads by the inverse."""
-    to_original = _renamer(renames)
-    from_original = _renamer({v: k for k, v in renames.items()})
+def _hook(holder: nn.Module, renames: dict[str, str], order: list[str]) -> None:
+    """State-dict hooks on `holder`: what it saves is renamed by `renames` (the new
+    module's keys to the original model's) and put in the original `order`, what it
+    loads is renamed back."""
+    to_original = _renamer(renames, order)
+    from_original = _renamer({v: k for k, v in renames.items()}, None)
 
     def saving(module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
         to_original(state, prefix)
@@ -94,82 +244,75 @@ def _hook(seq: nn.Sequential, renames: dict[str, str]) -> None:
     def loading(module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
         from_original(state, prefix)
 
-    post = getattr(seq, "register_state_dict_post_hook", None) or seq._register_state_dict_hook
-    handles = getattr(seq, _HANDLES, [])
-    handles += [post(saving), seq.register_load_state_dict_pre_hook(loading)]
-    object.__setattr__(seq, _HANDLES, handles)
+    post = getattr(holder, "register_state_dict_post_hook", None) or holder._register_state_dict_hook
+    handles = getattr(holder, _HANDLES, [])
+    handles += [post(saving), holder.register_load_state_dict_pre_hook(loading)]
+    object.__setattr__(holder, _HANDLES, handles)
 
 
-def swap(model: nn.Module) -> nn.Module:
-    """Replace every run in the model's Sequentials by a Conv2dNormActivation with the same
-    parameters and buffers (see the module docstring); returns `model`."""
+def swap(model: nn.Module, report: bool = False) -> nn.Module | tuple[nn.Module, SwapReport]:
+    """Replace each conv [-> norm] [-> activation] chain the model's forward runs by a
+    Conv2dNormActivation sharing its tensors (see the module docstring); returns `model`,
+    or (model, SwapReport) with `report=True`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    for seq in [m for m in model.modules() if isinstance(m, nn.Sequential)]:
-        renames: dict[str, str] = {}
-        for conv_name, norm_name, act_name in _runs(seq):
-            conv = seq._modules[conv_name]
-            norm = seq._modules[norm_name] if norm_name else None
-            act = seq._modules[act_name] if act_name else None
-            kind = _norm_kind(norm, conv.out_channels) if norm is not None else "none"
-            options: dict[str, Any] = {}
-            if kind == "batch_norm":
-                options = dict(eps=norm.eps, momentum=norm.momentum, affine=norm.affine,
-                               track_running_stats=norm.track_running_stats)
-            elif kind == "layer_norm":
-                options = dict(eps=norm.eps, affine=norm.affine)
-            if isinstance(act, nn.LeakyReLU):
-                options["negative_slope"] = act.negative_slope
-            elif isinstance(act, nn.ELU):
-                options["alpha"] = act.alpha
-            ours = Conv2dNormActivation(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
-                                        conv.padding, conv.dilation, conv.groups, bias=conv.bias is not None,
-                                        padding_mode=conv.padding_mode, norm=kind,
-                                        activation=_activation(act) if act is not None else "identity",
-                                        device=conv.weight.device, dtype=conv.weight.dtype, **options)
-            with torch.no_grad():
-                ours.conv.weight.copy_(conv.weight)
-                if conv.bias is not None:
-                    ours.conv.bias.copy_(conv.bias)
-                if norm is not None:
-                    for name, value in [*norm.named_parameters(recurse=False), *norm.named_buffers(recurse=False)]:
-                        getattr(ours.norm, name).copy_(value)
-            ours.train(conv.training)
-            seq._modules[conv_name] = ours
-            renames[f"{conv_name}.0."] = f"{conv_name}."
-            if norm_name:
-                seq._modules[norm_name] = nn.Identity()
-                renames[f"{conv_name}.1."] = f"{norm_name}."
-            if act_name:
-                seq._modules[act_name] = nn.Identity()
-            ours._conv2d_swapped = (conv_name, norm_name, act_name)
-        if renames:
-            _hook(seq, renames)
-    return model
+    if not isinstance(report, bool):
+        raise TypeError(f"report: expected a bool, got {report!r}")
+    modules = dict(model.named_modules())
+    try:
+        chains, reason = _traced_chains(model, modules), None
+    except Exception as e:  # noqa: BLE001 - any failure to trace: fall back, and say why
+        chains, reason = _sequential_chains(modules), f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+    order = list(model.state_dict(keep_vars=True))
+    renames: dict[str, dict[str, str]] = {}
+    for conv_name, norm_name, act_name in chains:
+        conv, norm, act = (modules[n] if n else None for n in (conv_name, norm_name, act_name))
+        ours = _make(conv, norm, act)
+        object.__setattr__(ours, _RECORD, ((conv_name, norm_name, act_name), (conv, norm, act)))
+        for name, new in ((conv_name, ours), (norm_name, nn.Identity()), (act_name, nn.Identity())):
+            if name:
+                parent, attr = _parent(model, name)
+                setattr(parent, attr, new)
+        holder = _common_prefix(*(n for n in (conv_name, norm_name) if n))
+        found = renames.setdefault(holder, {})
+        found[_relative(conv_name, holder) + ".0."] = _relative(conv_name, holder) + "."
+        if norm_name:
+            found[_relative(conv_name, holder) + ".1."] = _relative(norm_name, holder) + "."
+    for holder, table in renames.items():
+        prefix = holder + "." if holder else ""
+        _hook(model.get_submodule(holder) if holder else model, table,
+              [k[len(prefix):] for k in order if k.startswith(prefix)])
+    if not report:
+        return model
+    done = {c for c, _, _ in chains}
+    left: dict[str, list[str]] = {}
+    for name, m in modules.items():
+        if isinstance(m, nn.Conv2d) and name not in done:
+            why = SUBCLASS if type(m) is not nn.Conv2d else "outside an nn.Sequential, and the forward was not traced"
+            left.setdefault(why, []).append(name)
+    return model, SwapReport(reason is None, reason, chains, left)
 
 
 def unswap(model: nn.Module) -> nn.Module:
-    """Put PyTorch's Conv2d, norm and activation back where `swap` put a
-    Conv2dNormActivation, with its current parameters and buffers; returns `model`."""
-    from conv2d.torch.module import reference_sequential
-
-    for seq in [m for m in model.modules() if isinstance(m, nn.Sequential)]:
-        for handle in getattr(seq, _HANDLES, []):
-            handle.remove()
-        if hasattr(seq, _HANDLES):
-            object.__delattr__(seq, _HANDLES)
-        for name, module in list(seq._modules.items()):
-            record = getattr(module, "_conv2d_swapped", None)
-            if not isinstance(module, Conv2dNormActivation) or record is None:
+    """Put back the modules `swap` replaced (the original objects, with the swapped
+    module's current parameters and buffers); returns `model`."""
+    holders = [m for m in model.modules() if hasattr(m, _HANDLES)]
+    swapped = [(name, m) for name, m in model.named_modules() if hasattr(m, _RECORD)]
+    for name, ours in swapped:
+        (conv_name, norm_name, act_name), (conv, norm, act) = getattr(ours, _RECORD)
+        for source, target in ((ours.conv, conv), (ours.norm, norm)):
+            if target is None:
                 continue
-            conv_name, norm_name, act_name = record
-            plain = reference_sequential(module)
-            seq._modules[conv_name] = plain[0]
-            if norm_name:
-                seq._modules[norm_name] = plain[1]
-            if act_name:
-                seq._modules[act_name] = plain[-1]  # the activation PyTorch has, with its parameter
-            for m in plain:
-                m.train(module.training)
+            for key, value in [*source.named_parameters(recurse=False), *source.named_buffers(recurse=False)]:
+                if key in target._parameters or key in target._buffers:
+                    _share(target, key, value)
+        for original, qualified in ((conv, conv_name), (norm, norm_name), (act, act_name)):
+            if qualified:
+                original.train(ours.training)
+                parent, attr = _parent(model, qualified)
+                setattr(parent, attr, original)
+    for holder in holders:
+        for handle in getattr(holder, _HANDLES):
+            handle.remove()
+        object.__delattr__(holder, _HANDLES)
     return model
-
