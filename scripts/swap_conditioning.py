@@ -7,7 +7,8 @@ is the problem's conditioning, not a defect.
 
     python scripts/swap_conditioning.py [--models resnet_basic,mobilenet_v2] [--batch 8] [--out DIR]
 
-Prints a Markdown table; `--out DIR` writes DIR/swap_conditioning.md with the provenance line.
+Prints a Markdown table; `--out DIR` writes it, with the provenance line, into that folder
+(docs/swap_conditioning.md is `--out docs`).
 """
 
 from __future__ import annotations
