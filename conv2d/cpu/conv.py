@@ -17,22 +17,11 @@ cost more in Python than in arithmetic.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from conv2d.cpu import kernels
-from conv2d.padding import sources
-
-
-Pads = tuple[tuple[int, int], tuple[int, int]]
-# PyTorch's padding modes as NumPy's np.pad names them.
-_NUMPY_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
-
-
-def pads_of(padding: tuple) -> Pads:
-    """((top, bottom), (left, right)) from itself or from a symmetric (PH, PW)."""
-    if isinstance(padding[0], tuple):
-        return padding
-    return ((padding[0], padding[0]), (padding[1], padding[1]))
+# The reference's helpers where nothing is faster than its plain form: the padded input's
+# windows, the adjoint of padding, the split by channel groups.
+from conv2d.reference.conv import NUMPY_MODES, by_group, pads_of, unpad, windows
 
 
 def pad(x: np.ndarray, padding: tuple, mode: str = "zeros") -> np.ndarray:
@@ -46,37 +35,7 @@ def pad(x: np.ndarray, padding: tuple, mode: str = "zeros") -> np.ndarray:
         xp = np.zeros((n, top + h + bottom, left + w + right, c), x.dtype)
         xp[:, top:top + h, left:left + w] = x
         return xp
-    return np.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)), mode=_NUMPY_MODES[mode])
-
-
-def unpad(d_xp: np.ndarray, padding: tuple, mode: str, input_hw: tuple[int, int]) -> np.ndarray:
-    """The adjoint of `pad`: the gradient (N, H, W, C) of x from that of the padded input,
-    each padded position's gradient added to the input position it copies (in order of
-    the padded positions: rows, then columns)."""
-    (top, bottom), (left, right) = pads_of(padding)
-    h, w = input_hw
-    if mode == "zeros":
-        return np.ascontiguousarray(d_xp[:, top:top + h, left:left + w, :])
-    rows, cols = sources(h, top, bottom, mode), sources(w, left, right, mode)
-    by_rows = np.zeros((d_xp.shape[0], h, d_xp.shape[2], d_xp.shape[3]), dtype=d_xp.dtype)
-    np.add.at(by_rows, (slice(None), rows), d_xp)
-    d_x = np.zeros((d_xp.shape[0], h, w, d_xp.shape[3]), dtype=d_xp.dtype)
-    np.add.at(d_x, (slice(None), slice(None), cols), by_rows)
-    return d_x
-
-
-def windows(xp: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int],
-            dilation: tuple[int, int] = (1, 1)) -> np.ndarray:
-    """Read-only view (N, OH, OW, KH, KW, C) of the padded input `xp` (N, Hp, Wp, C)."""
-    n, hp, wp, c = xp.shape
-    kh, kw = kernel
-    sh, sw = stride
-    dh, dw = dilation
-    oh = (hp - (kh - 1) * dh - 1) // sh + 1
-    ow = (wp - (kw - 1) * dw - 1) // sw + 1
-    s_n, s_h, s_w, s_c = xp.strides
-    return as_strided(xp, shape=(n, oh, ow, kh, kw, c),
-                      strides=(s_n, sh * s_h, sw * s_w, dh * s_h, dw * s_w, s_c), writeable=False)
+    return np.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)), mode=NUMPY_MODES[mode])
 
 
 def _depthwise(groups: int, channels: int) -> bool:
@@ -93,15 +52,6 @@ def _taps(w: np.ndarray, dtype: np.dtype) -> np.ndarray:
 def _output_size(padded_hw: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int],
                  dilation: tuple[int, int]) -> tuple[int, int]:
     return tuple((p - (k - 1) * d - 1) // s + 1 for p, k, s, d in zip(padded_hw, kernel, stride, dilation))
-
-
-def _by_group(groups: int, run, a: np.ndarray, b: np.ndarray, a_axis: int, b_axis: int) -> np.ndarray:
-    """run(a's channel group g, b's group g) for each of `groups` groups (a split along
-    a_axis, b along b_axis, each part contiguous), joined along the last axis."""
-    if groups == 1:
-        return run(a, b)
-    parts = zip(np.split(a, groups, axis=a_axis), np.split(b, groups, axis=b_axis))
-    return np.concatenate([run(np.ascontiguousarray(p), np.ascontiguousarray(q)) for p, q in parts], axis=-1)
 
 
 # Samples per im2col block: the copied windows of one block stay near this many bytes, so
@@ -134,7 +84,7 @@ def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
         kernels.depthwise_forward(xp, _taps(w, y.dtype), stride, dilation, y)
         return y
     if groups > 1:
-        return _by_group(groups, lambda xg, wg: conv_forward(xg, wg, stride, padding, per_sample, dilation,
+        return by_group(groups, lambda xg, wg: conv_forward(xg, wg, stride, padding, per_sample, dilation,
                                                              mode=mode), x, w, 3, 0)
     oc, kh, kw, c = w.shape
     cols = windows(pad(x, padding, mode), (kh, kw), stride, dilation)
@@ -164,7 +114,7 @@ def conv_backward_filter(x: np.ndarray, d_z: np.ndarray, kernel: tuple[int, int]
         # Each group's (OC / groups, KH, KW, C / groups) joined along OC: d_w's first axis.
         run = lambda xg, dg: np.moveaxis(conv_backward_filter(xg, dg, kernel, stride, padding, dilation,  # noqa: E731
                                                               mode=mode), 0, -1)
-        return np.ascontiguousarray(np.moveaxis(_by_group(groups, run, x, d_z, 3, 3), -1, 0))
+        return np.ascontiguousarray(np.moveaxis(by_group(groups, run, x, d_z, 3, 3), -1, 0))
     n, oh, ow, oc = d_z.shape
     kh, kw = kernel
     c = x.shape[3]
@@ -201,7 +151,7 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
         kernels.depthwise_backward_data(d_z, _taps(w, d_xp.dtype), stride, dilation, d_xp)
         return unpad(d_xp, padding, mode, input_hw)
     if groups > 1:
-        return _by_group(groups, lambda wg, dg: conv_backward_data(wg, dg, input_hw, stride, padding, per_sample,
+        return by_group(groups, lambda wg, dg: conv_backward_data(wg, dg, input_hw, stride, padding, per_sample,
                                                                    dilation, mode=mode), w, d_z, 0, 3)
     n, oh, ow, oc = d_z.shape
     _, kh, kw, c = w.shape

@@ -19,7 +19,7 @@ from conv2d.padding import sources
 
 Pads = tuple[tuple[int, int], tuple[int, int]]
 # PyTorch's padding modes as NumPy's np.pad names them.
-_NUMPY_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
+NUMPY_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
 
 
 def pads_of(padding: tuple) -> Pads:
@@ -33,7 +33,7 @@ def pad(x: np.ndarray, padding: tuple, mode: str = "zeros") -> np.ndarray:
     """(N, H, W, C) -> (N, top + H + bottom, left + W + right, C), padded as `mode` says
     (LayerSpec.padding_mode); `x` itself when there is no padding."""
     (top, bottom), (left, right) = pads_of(padding)
-    return np.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)), mode=_NUMPY_MODES[mode])
+    return np.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)), mode=NUMPY_MODES[mode])
 
 
 def unpad(d_xp: np.ndarray, padding: tuple, mode: str, input_hw: tuple[int, int]) -> np.ndarray:
@@ -66,7 +66,7 @@ def windows(xp: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int],
                       strides=(s_n, sh * s_h, sw * s_w, dh * s_h, dw * s_w, s_c), writeable=False)
 
 
-def _by_group(groups: int, run, a: np.ndarray, b: np.ndarray, a_axis: int, b_axis: int) -> np.ndarray:
+def by_group(groups: int, run, a: np.ndarray, b: np.ndarray, a_axis: int, b_axis: int) -> np.ndarray:
     """run(a's channel group g, b's group g) for each of `groups` groups (a split along
     a_axis, b along b_axis, each part contiguous), joined along the last axis."""
     if groups == 1:
@@ -85,7 +85,7 @@ def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
     batch gives a sample other bits at another batch size; one sample at a time gives it
     the same."""
     if groups > 1:
-        return _by_group(groups, lambda xg, wg: conv_forward(xg, wg, stride, padding, per_sample, dilation,
+        return by_group(groups, lambda xg, wg: conv_forward(xg, wg, stride, padding, per_sample, dilation,
                                                              mode=mode), x, w, 3, 0)
     oc, kh, kw, c = w.shape
     cols = windows(pad(x, padding, mode), (kh, kw), stride, dilation)
@@ -109,7 +109,7 @@ def conv_backward_filter(x: np.ndarray, d_z: np.ndarray, kernel: tuple[int, int]
         # Each group's (OC / groups, KH, KW, C / groups) joined along OC: d_w's first axis.
         run = lambda xg, dg: np.moveaxis(conv_backward_filter(xg, dg, kernel, stride, padding, dilation,  # noqa: E731
                                                               mode=mode), 0, -1)
-        return np.ascontiguousarray(np.moveaxis(_by_group(groups, run, x, d_z, 3, 3), -1, 0))
+        return np.ascontiguousarray(np.moveaxis(by_group(groups, run, x, d_z, 3, 3), -1, 0))
     n, oh, ow, oc = d_z.shape
     kh, kw = kernel
     c = x.shape[3]
@@ -128,7 +128,7 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
     one strided add. `per_sample`: one sample at a time, as in `conv_forward`.
     """
     if groups > 1:
-        return _by_group(groups, lambda wg, dg: conv_backward_data(wg, dg, input_hw, stride, padding, per_sample,
+        return by_group(groups, lambda wg, dg: conv_backward_data(wg, dg, input_hw, stride, padding, per_sample,
                                                                    dilation, mode=mode), w, d_z, 0, 3)
     n, oh, ow, oc = d_z.shape
     _, kh, kw, c = w.shape
