@@ -202,11 +202,11 @@ def forward_call(x: Tensor, call: Call) -> tuple[Tensor, Optional[Tensor], Optio
 
 
 def evaluate_call(x: Tensor, call: Call) -> Tensor:
-    """y of the backend's `evaluate` of x (a CUDA tensor) through `call`: for a call that
-    wants no gradient and updates no statistics (eval, or no batch norm), the forward
-    without its saved values. One output tensor, where forward_call allocates y, pre,
-    mean and inv_std: the pre-activations and statistics go to the shape plan's own
-    scratch, and nothing is kept. With the backend's default evaluate_kernel ("cudnn")
+    """y of the backend's `evaluate` of x through `call`: for a call that wants no
+    gradient and updates no statistics (eval, or no batch norm), the forward without its
+    saved values. One output tensor, where forward_call allocates y, pre, mean and
+    inv_std: on CUDA the pre-activations and statistics go to the shape plan's own
+    scratch, on the host they are dropped, and nothing is kept. With the backend's default evaluate_kernel ("cudnn")
     it runs the forward's kernels (its ReLU fused into the convolution where the layer
     has no norm, as cuDNN's forward_relu graph); "direct" runs the direct kernel."""
     fn, graphs = call.fn, call.graphs

@@ -422,7 +422,7 @@ class Conv2dNormActivation(nn.Module):
             graphs = None  # in a capture of the caller's, the launches go into it (calls.call_context)
         updates = training and self._spec.normalization is Normalization.BATCH_NORM
         call = eager.Call(fn, views, running, training, nchw, self._spec.batch_statistics(training), graphs,
-                          ptrs if graphs is not None else (), evaluates=x.is_cuda and not updates)
+                          ptrs if graphs is not None else (), evaluates=not updates)
         return call, (weight, bias, gamma, beta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
