@@ -55,7 +55,7 @@ class Call(NamedTuple):
     batch_stats: bool = False
     graphs: Optional[CallGraphs] = None
     ptrs: tuple = ()
-    evaluates: bool = False  # without a gradient, the backend's evaluate (no statistics to update, a GPU)
+    evaluates: bool = False  # without a gradient, the backend's evaluate (no statistics to update)
 
 
 def parameter_dicts(weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor],
