@@ -3,9 +3,10 @@
 `Conv2dNormActivation` is a drop-in replacement for `nn.Sequential(nn.Conv2d,
 nn.BatchNorm2d or nn.GroupNorm(1, C) or nothing, activation)` in a channels_last model,
 with the same state_dict keys; `reference_sequential(module)` builds that Sequential.
-`swap(model)` converts a whole model's runs in place, `unswap(model)` converts back."""
+`swap(model)` converts every conv -> norm -> activation chain a model's forward runs, in
+place (`SwapReport` says what it did), `unswap(model)` converts back."""
 
 from conv2d.torch.module import Conv2dNormActivation, activation_module, reference_sequential
-from conv2d.torch.swap import swap, unswap
+from conv2d.torch.swap import SwapReport, swap, unswap
 
-__all__ = ["Conv2dNormActivation", "activation_module", "reference_sequential", "swap", "unswap"]
+__all__ = ["Conv2dNormActivation", "SwapReport", "activation_module", "reference_sequential", "swap", "unswap"]
