@@ -29,7 +29,7 @@ from conv2d.checks import check_numpy
 from conv2d.cpu import conv, kernels, params as checked, threads as pool
 from conv2d.dtypes import compute_dtype, storage_dtype
 from conv2d.reference import functional as reference
-from conv2d.reference.functional import Saved, check_input, check_running_writable, layer_differences
+from conv2d.reference.functional import Saved, check_input, check_running_writable, check_saved, gradients_out
 from conv2d.reference.norm import update_running
 from conv2d.spec import LayerSpec, Normalization
 from conv2d.state import MAX_BATCHES, grad_layout
@@ -114,7 +114,7 @@ def forward(spec: LayerSpec, params: Mapping[str, Any], x: Any, training: bool,
     params, running = checked.check_params(spec, params, running, need_running, cache)
     if running is not None and training and spec.normalization is Normalization.BATCH_NORM:
         check_running_writable(running)
-    pool.use(pool.wanted(threads))
+    pool.use(threads)
     ct, st = compute_dtype(spec.dtype), storage_dtype(spec.dtype)
     pre, z = _pre_activations(call, params, x)
     mean = inv_std = None
@@ -164,13 +164,7 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
              want_input: bool = True, accumulate: Mapping[str, Any] | None = None,
              cache: dict | None = None, threads: int | str | None = None) -> tuple[Any, Any]:
     """(grads, d_x) of the forward that gave `saved`, as the reference's backward."""
-    if not isinstance(saved, Saved):
-        raise TypeError(f"saved: expected the Saved of a forward, got {type(saved).__name__}")
-    call = saved.spec
-    other = layer_differences(call, spec)
-    if other:
-        raise ValueError("saved: made by a forward of another layer (" + "; ".join(
-            f"{k}: saved's {a!r}, this layer's {b!r}" for k, (a, b) in other) + ")")
+    call = check_saved(spec, saved, "cpu or reference")
     st, ct = storage_dtype(spec.dtype), compute_dtype(spec.dtype)
     d_y, lib = host_view("d_y", d_y)
     check_numpy("d_y", d_y, call.output_shape, st)
@@ -178,7 +172,7 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
     acc = None
     if want_params and accumulate is not None:
         acc, _ = checked.check_params(spec, {k: accumulate.get(k) for k in grad_layout(spec)}, None, False)
-    pool.use(pool.wanted(threads))
+    pool.use(threads)
     d_z, norm_grads = grad_pre_activations(spec, params, saved, d_y)
     d_z_stored = d_z.astype(st, copy=False).astype(ct, copy=False)
     d_x = None
@@ -196,13 +190,7 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
     d_w = conv.conv_backward_filter(saved.x.astype(ct, copy=False), d_z_stored, call.kernel, call.stride,
                                     call.pads, call.dilation, call.groups, call.padding_mode)
     new["weights"] = d_w.astype(st, copy=False).astype(ct, copy=False)
-    if acc is None:
-        layout = grad_layout(spec)
-        return {k: to_library(new[k].astype(layout[k][1]), lib) for k in layout}, d_x
-    for k, g in new.items():
-        if k in acc:
-            acc[k][...] = (acc[k].astype(ct, copy=False) + g).astype(acc[k].dtype, copy=False)
-    return accumulate, d_x
+    return gradients_out(spec, new, acc, accumulate, lib), d_x
 
 
 class Functions(reference.Functions):

@@ -28,15 +28,6 @@ def check(threads: Any) -> int | str | None:
     return threads
 
 
-def wanted(threads: int | str | None) -> int | None:
-    """The count a call runs with under `threads` (None: leave the pools alone)."""
-    if threads == "torch":
-        import torch
-
-        return torch.get_num_threads()
-    return threads
-
-
 def count() -> int:
     """The compiled loops' thread count now (`use`'s, else numba's configured count)."""
     if _COUNT[0] is None:
@@ -46,10 +37,15 @@ def count() -> int:
     return _COUNT[0]
 
 
-def use(count: int | None) -> None:
-    """Set the count the next calls' tasks run on (None: numba's configured count), and
-    BLAS to one thread (once: the process's setting, checked by threadpoolctl)."""
-    _COUNT[0] = count
+def use(threads: int | str | None) -> None:
+    """Set the count the next calls' tasks run on (`check`'s values: None, numba's
+    configured count; "torch", `torch.get_num_threads()` now; an int), and BLAS to one
+    thread (once: the process's setting, checked by threadpoolctl)."""
+    if threads == "torch":
+        import torch
+
+        threads = torch.get_num_threads()
+    _COUNT[0] = threads
     if _BLAS_SET[0] != 1:
         from threadpoolctl import threadpool_limits
 

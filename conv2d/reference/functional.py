@@ -225,13 +225,7 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
     parameters' dtypes, or, with `accumulate` (arrays of the same keys), added into those
     in place (+=, rounded to their dtype) and returned; None unless `want_params`.
     d_x (N, H, W, C), new, or None unless `want_input`."""
-    if not isinstance(saved, Saved):
-        raise TypeError(f"saved: expected the Saved of a reference forward, got {type(saved).__name__}")
-    call = saved.spec
-    other = layer_differences(call, spec)
-    if other:
-        raise ValueError("saved: made by a forward of another layer (" + "; ".join(
-            f"{k}: saved's {a!r}, this layer's {b!r}" for k, (a, b) in other) + ")")
+    call = check_saved(spec, saved, "reference")
     st, ct = storage_dtype(spec.dtype), compute_dtype(spec.dtype)
     d_y, lib = host_view("d_y", d_y)
     check_numpy("d_y", d_y, call.output_shape, st)
@@ -259,13 +253,34 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
     d_w = conv.conv_backward_filter(saved.x.astype(ct, copy=False), d_z_stored, call.kernel, call.stride,
                                     call.pads, call.dilation, call.groups, call.padding_mode)
     new["weights"] = d_w.astype(st, copy=False).astype(ct, copy=False)  # stored, as cuDNN writes it
+    return gradients_out(spec, new, acc, accumulate, lib), d_x
+
+
+def check_saved(spec: LayerSpec, saved: Any, backend: str) -> LayerSpec:
+    """The call's spec of `saved` after checking that it is a host backend's Saved made by
+    a forward of this layer (any N, H, W)."""
+    if not isinstance(saved, Saved):
+        raise TypeError(f"saved: expected the Saved of a {backend} forward, got {type(saved).__name__}")
+    other = layer_differences(saved.spec, spec)
+    if other:
+        raise ValueError("saved: made by a forward of another layer (" + "; ".join(
+            f"{k}: saved's {a!r}, this layer's {b!r}" for k, (a, b) in other) + ")")
+    return saved.spec
+
+
+def gradients_out(spec: LayerSpec, new: dict[str, np.ndarray], acc: dict | None, accumulate: Any,
+                  lib: str) -> Any:
+    """A backward's gradients `new` (compute dtype): new arrays in the parameters' dtypes
+    and the caller's library, or, with `acc` (the checked views of `accumulate`), added
+    into those in place (rounded to their dtype) and `accumulate` returned."""
     if acc is None:
         layout = grad_layout(spec)
-        return {k: to_library(new[k].astype(layout[k][1]), lib) for k in layout}, d_x
+        return {k: to_library(new[k].astype(layout[k][1]), lib) for k in layout}
+    ct = compute_dtype(spec.dtype)
     for k, g in new.items():
         if k in acc:  # gamma and beta are absent without an affine norm
             acc[k][...] = (acc[k].astype(ct, copy=False) + g).astype(acc[k].dtype, copy=False)
-    return accumulate, d_x
+    return accumulate
 
 
 class Functions:
