@@ -38,6 +38,7 @@ _ACTIVATIONS = {nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.Iden
 _HANDLES = "_conv2d_swap_handles"  # on each module that renames keys for swapped ones: its hooks
 _RECORD = "_conv2d_swapped"  # on each swapped-in module: (conv, norm, activation) names and originals
 SUBCLASS = "a subclass of nn.Conv2d (its forward may do something else)"
+UNTRACED = "outside an nn.Sequential, and the forward was not traced"
 
 
 @dataclasses.dataclass
@@ -52,16 +53,19 @@ class SwapReport:
     left: dict[str, list[str]]
 
     @property
+    def total(self) -> int:
+        """The model's nn.Conv2d modules, converted or left."""
+        return len(self.converted) + sum(map(len, self.left.values()))
+
+    @property
     def fraction(self) -> float:
         """Converted convolutions / all nn.Conv2d modules (1.0 for a model with none)."""
-        total = len(self.converted) + sum(map(len, self.left.values()))
-        return len(self.converted) / total if total else 1.0
+        return len(self.converted) / self.total if self.total else 1.0
 
     def __str__(self) -> str:
         normed = sum(n is not None for _, n, _ in self.converted)
         activated = sum(a is not None for _, _, a in self.converted)
-        lines = [f"swap: {len(self.converted)} of {len(self.converted) + sum(map(len, self.left.values()))} "
-                 f"convolutions converted ({normed} with their norm, {activated} with their activation); "
+        lines = [f"swap: {len(self.converted)} of {self.total} convolutions converted ({normed} with their norm, {activated} with their activation); "
                  + ("traced" if self.traced else f"not traced ({self.reason}): Sequential runs only")]
         lines += [f"  left, {reason}: {len(names)} ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
                   for reason, names in self.left.items()]
@@ -187,12 +191,17 @@ def _make(conv: nn.Conv2d, norm: nn.Module | None, act: nn.Module | None) -> Con
                                 norm=kind, activation=_activation(act) if act is not None else "identity",
                                 device=conv.weight.device, dtype=conv.weight.dtype, **options)
     for source, target in ((conv, ours.conv), (norm, ours.norm)):
-        if source is None:
-            continue
-        for name, value in [*source.named_parameters(recurse=False), *source.named_buffers(recurse=False)]:
+        for name, value in _own_tensors(source):
             _share(target, name, value)
     ours.train(conv.training)
     return ours
+
+
+def _own_tensors(module: nn.Module | None) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of `module`'s own parameters and buffers (none for None)."""
+    if module is None:
+        return []
+    return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
 
 
 def _share(module: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -288,7 +297,7 @@ def swap(model: nn.Module, report: bool = False) -> nn.Module | tuple[nn.Module,
     left: dict[str, list[str]] = {}
     for name, m in modules.items():
         if isinstance(m, nn.Conv2d) and name not in done:
-            why = SUBCLASS if type(m) is not nn.Conv2d else "outside an nn.Sequential, and the forward was not traced"
+            why = SUBCLASS if type(m) is not nn.Conv2d else UNTRACED
             left.setdefault(why, []).append(name)
     return model, SwapReport(reason is None, reason, chains, left)
 
@@ -297,13 +306,13 @@ def unswap(model: nn.Module) -> nn.Module:
     """Put back the modules `swap` replaced (the original objects, with the swapped
     module's current parameters and buffers); returns `model`."""
     holders = [m for m in model.modules() if hasattr(m, _HANDLES)]
-    swapped = [(name, m) for name, m in model.named_modules() if hasattr(m, _RECORD)]
-    for name, ours in swapped:
+    swapped = [m for m in model.modules() if hasattr(m, _RECORD)]
+    for ours in swapped:
         (conv_name, norm_name, act_name), (conv, norm, act) = getattr(ours, _RECORD)
         for source, target in ((ours.conv, conv), (ours.norm, norm)):
             if target is None:
                 continue
-            for key, value in [*source.named_parameters(recurse=False), *source.named_buffers(recurse=False)]:
+            for key, value in _own_tensors(source):
                 if key in target._parameters or key in target._buffers:
                     _share(target, key, value)
         for original, qualified in ((conv, conv_name), (norm, norm_name), (act, act_name)):
