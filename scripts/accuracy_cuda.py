@@ -26,11 +26,10 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 
-from bench_shapes import SHAPES, bench_spec, provenance
+from bench_shapes import SHAPES, bench_spec, write_table
 
 import torch
 import torch.nn.functional as F
@@ -368,12 +367,9 @@ def main() -> None:
         print("\n".join(head), flush=True)
         lines += head + engine_rows(args.networks)
     if args.out:
-        path = Path(args.out) / "accuracy_cuda.md"
-        path.write_text("\n".join(["# conv2d: float32 accuracy by stage, ours beside PyTorch's", "",
-                                   "Errors are max|float32 - float64| / max|float64| of each stage from the same "
-                                   "inputs (scripts/accuracy_cuda.py's docstring).", "",
-                                   provenance(args.device == "cuda"), "", *lines, ""]))
-        print(f"wrote {path}")
+        write_table(args.out, "accuracy_cuda.md", "conv2d: float32 accuracy by stage, ours beside PyTorch's", lines,
+                    args.device == "cuda", "Errors are max|float32 - float64| / max|float64| of each stage from the "
+                    "same inputs (scripts/accuracy_cuda.py's docstring).")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 from bench_cuda_runs import torch_graph  # PyTorch's capture recipe
-from bench_shapes import provenance
+from bench_shapes import write_table
 import rl_loop
 
 import torch
@@ -441,13 +441,10 @@ def main() -> None:
             loop_lines = loop_table(args)
         lines += ["", *loop_lines]
     if args.out:
-        text = ["# conv2d: whole networks, the module swapped in vs plain PyTorch", "",
-                "Ratios are ours / PyTorch (below 1: ours is faster); medians over rounds timed in turns "
-                "(scripts/bench_networks.py's docstring says how).", "", provenance(cuda), "", *lines, ""]
-        path = Path(args.out) / f"bench_networks_{args.device}.md"
-        path.parent.mkdir(parents=True, exist_ok=True)  # a folder of its own, as on the GPU machine's $OUT
-        path.write_text("\n".join(text))
-        print(f"wrote {path}")
+        write_table(args.out, f"bench_networks_{args.device}.md",
+                    "conv2d: whole networks, the module swapped in vs plain PyTorch", lines, cuda,
+                    "Ratios are ours / PyTorch (below 1: ours is faster); medians over rounds timed in turns "
+                    "(scripts/bench_networks.py's docstring says how).")
 
 
 if __name__ == "__main__":

@@ -124,3 +124,15 @@ def provenance(gpu: bool) -> str:
         parts += [f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                   f"PyTorch {torch.__version__}", f"NumPy {numpy.__version__}"]
     return "; ".join(parts) + "."
+
+
+def write_table(out: str | os.PathLike, name: str, title: str, lines: list[str], gpu: bool,
+                intro: str | None = None) -> Path:
+    """Write a table file `out`/`name`: "# title", `intro` (a paragraph saying how to read
+    it) if any, the `provenance` line and the table's `lines`; says where, returns the path."""
+    path = Path(out) / name
+    path.parent.mkdir(parents=True, exist_ok=True)  # a folder of its own, as on the GPU machine's $OUT
+    head = [f"# {title}", ""] + ([intro, ""] if intro else [])
+    path.write_text("\n".join([*head, provenance(gpu), "", *lines, ""]))
+    print(f"wrote {path}")
+    return path

@@ -19,9 +19,8 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
-from bench_shapes import provenance
+from bench_shapes import write_table
 
 CHILD = r"""
 import json, sys, time
@@ -77,10 +76,8 @@ def main() -> None:
             lines.append(f"| {dtype} | {side} | {t['import']:.2f} | {t['first']:.2f} | {1e3 * t['second']:.2f} |")
             print(lines[-1], flush=True)
     if args.out:
-        path = Path(args.out) / "cpu_first_call.md"
-        path.write_text("\n".join(["# The cpu backend's first call: compiling, and the on-disk cache", "",
-                                   provenance(False), "", *lines, ""]))
-        print(f"wrote {path}")
+        write_table(args.out, "cpu_first_call.md", "The cpu backend's first call: compiling, and the on-disk cache",
+                    lines, gpu=False)
 
 
 if __name__ == "__main__":

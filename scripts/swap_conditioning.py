@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from swap_models import MODELS  # noqa: E402
 
-from bench_shapes import provenance  # noqa: E402
+from bench_shapes import write_table  # noqa: E402
 from conv2d.torch import swap  # noqa: E402
 
 
@@ -60,10 +60,8 @@ def main() -> None:
                          f"{relative(ours[k], theirs[k]):.1e} |")
             print(lines[-1], flush=True)
     if args.out:
-        path = Path(args.out) / "swap_conditioning.md"
-        path.write_text("\n".join(["# swap: float32 errors, ours and PyTorch's, against float64", "",
-                                   provenance(False), "", *lines, ""]))
-        print(f"wrote {path}")
+        write_table(args.out, "swap_conditioning.md", "swap: float32 errors, ours and PyTorch's, against float64",
+                    lines, gpu=False)
 
 
 if __name__ == "__main__":
