@@ -164,6 +164,16 @@ def test_a_conv_subclass_is_left_and_named_in_the_report():
     assert report.fraction == 0.5
 
 
+@pytest.mark.parametrize("bad, match", [(dict(model=[nn.Conv2d(3, 4, 3)]), "model: expected a torch.nn.Module, got list"),
+                                        (dict(report="yes"), "report: expected a bool, got 'yes'")])
+def test_swap_refuses_a_model_that_is_no_module_and_a_report_that_is_no_bool_before_changing_anything(bad, match):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    args = {"model": model, **bad}
+    with pytest.raises(TypeError, match=match):
+        swap(args.pop("model"), **args)
+    assert [type(m) for m in model] == [nn.Conv2d, nn.ReLU]
+
+
 @pytest.mark.parametrize("name", ["resnet18", "mobilenetv2_100", "efficientnet_b0"])
 def test_timm_models_convert(name):
     timm = pytest.importorskip("timm", reason="timm is not installed (an optional test extra: pip install timm)")
