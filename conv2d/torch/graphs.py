@@ -64,12 +64,15 @@ class CallGraphs:
         self._graphs: OrderedDict[tuple, list] = OrderedDict()  # key -> [graph, resources, replays]
         self._seen: OrderedDict[tuple, int] = OrderedDict()  # key -> eager calls so far, -1: failed
         self._side: torch.cuda.Stream | None = None
-        st = storage_dtype(fn.spec.dtype)
-        self._grads = [(k, shape, dt == st) for k, (shape, dt) in grad_layout(fn.spec).items()]
+        self._grads: list | None = None  # new_gradients' layout, made at its first call
 
     def new_gradients(self, like: torch.Tensor) -> dict[str, torch.Tensor]:
         """Uninitialised gradient tensors of the backend's gradient layout (the weights'
-        (OC, KH, KW, IC)), in `like`'s dtype, float32 for the norm's, on its device."""
+        (OC, KH, KW, IC)), in `like`'s dtype, float32 for the norm's, on its device (for
+        graphs of one layer's functions: `fn.spec`)."""
+        if self._grads is None:
+            st = storage_dtype(self.fn.spec.dtype)
+            self._grads = [(k, shape, dt == st) for k, (shape, dt) in grad_layout(self.fn.spec).items()]
         return {k: torch.empty(shape, dtype=like.dtype if stored else torch.float32, device=like.device)
                 for k, shape, stored in self._grads}
 
