@@ -14,6 +14,12 @@ activation "none"), so each one the forward calls runs here. Where tracing fails
 dependent control flow, an untraceable call), the runs of each `nn.Sequential`'s children
 convert instead, and the report says why.
 
+Then, by default, each run of two or more new modules that follow one another in an
+nn.Sequential (the Identity modules left between them aside) becomes one `Conv2dRun` at the
+first one's name (conv2d.torch.runs: one autograd node and one CUDA graph replay for the
+run, the same results), the others' names holding nn.Identity; `swap(model, runs=False)`
+keeps one module a chain.
+
 The new module takes the Conv2d's place and shares its tensors (the same Parameter
 objects: an optimizer made before the swap still trains them); the norm and the
 activation become `nn.Identity`, so every name stays. `unswap` puts the original module
@@ -32,6 +38,7 @@ import torch
 from torch import nn
 
 from conv2d.torch.module import Conv2dNormActivation
+from conv2d.torch.runs import Conv2dRun
 
 _ACTIVATIONS = {nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.Identity: "identity", nn.SiLU: "silu",
                 nn.ReLU6: "relu6", nn.Hardswish: "hardswish", nn.LeakyReLU: "leaky_relu", nn.ELU: "elu"}
@@ -45,12 +52,14 @@ UNTRACED = "outside an nn.Sequential, and the forward was not traced"
 class SwapReport:
     """What `swap` did. `traced`: whether the forward was traced (else `reason` says why,
     and only nn.Sequential runs were read). `converted`: (conv, norm or None, activation
-    or None) qualified names of each new module. `left`: reason -> the convolutions left."""
+    or None) qualified names of each new module. `left`: reason -> the convolutions left.
+    `runs`: the conv names of each Conv2dRun (consecutive modules called as one)."""
 
     traced: bool
     reason: str | None
     converted: list[tuple[str, str | None, str | None]]
     left: dict[str, list[str]]
+    runs: list[list[str]] = dataclasses.field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -67,6 +76,9 @@ class SwapReport:
         activated = sum(a is not None for _, _, a in self.converted)
         lines = [f"swap: {len(self.converted)} of {self.total} convolutions converted ({normed} with their norm, {activated} with their activation); "
                  + ("traced" if self.traced else f"not traced ({self.reason}): Sequential runs only")]
+        if self.runs:
+            lines.append(f"  {len(self.runs)} runs of consecutive layers called as one "
+                         f"({sum(map(len, self.runs))} layers)")
         lines += [f"  left, {reason}: {len(names)} ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
                   for reason, names in self.left.items()]
         return "\n".join(lines)
@@ -259,21 +271,56 @@ def _hook(holder: nn.Module, renames: dict[str, str], order: list[str]) -> None:
     object.__setattr__(holder, _HANDLES, handles)
 
 
-def swap(model: nn.Module, report: bool = False) -> nn.Module | tuple[nn.Module, SwapReport]:
+def _group_runs(model: nn.Module, placed: dict[int, str]) -> list[list[str]]:
+    """Put one Conv2dRun in place of each run of two or more swapped-in modules that are
+    consecutive children of an nn.Sequential (with only the Identity modules swap put in
+    between; the Sequential's own forward, so each reads the one before's output alone):
+    at the first one's name, the others' names holding nn.Identity. Returns each run's
+    conv names, first to last."""
+    grouped = []
+    for seq in [m for m in model.modules() if isinstance(m, nn.Sequential) and not isinstance(m, Conv2dRun)
+                and type(m).forward is nn.Sequential.forward]:
+        runs, current = [], []
+        for attr, child in seq._modules.items():
+            if isinstance(child, Conv2dNormActivation) and id(child) in placed:
+                if current and not _joins(current[-1][1], child):
+                    runs.append(current)
+                    current = []
+                current.append((attr, child))
+            elif not (isinstance(child, nn.Identity) and id(child) in placed):
+                runs.append(current)
+                current = []
+        runs.append(current)
+        for members in (r for r in runs if len(r) > 1):
+            first = members[0][0]
+            for attr, _ in members[1:]:
+                setattr(seq, attr, nn.Identity())
+            setattr(seq, first, Conv2dRun(*(child for _, child in members)))
+            grouped.append([placed[id(child)] for _, child in members])
+    return grouped
+
+
+def _joins(before: Conv2dNormActivation, after: Conv2dNormActivation) -> bool:
+    return before.layout == after.layout and before._spec.out_channels == after._spec.in_channels
+
+
+def swap(model: nn.Module, report: bool = False, runs: bool = True) -> nn.Module | tuple[nn.Module, SwapReport]:
     """Replace each conv [-> norm] [-> activation] chain the model's forward runs by a
-    Conv2dNormActivation sharing its tensors (see the module docstring); returns `model`,
-    or (model, SwapReport) with `report=True`."""
+    Conv2dNormActivation sharing its tensors, and (with `runs`) each run of them that
+    follow one another in an nn.Sequential by one Conv2dRun (see the module docstring);
+    returns `model`, or (model, SwapReport) with `report=True`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(report, bool):
-        raise TypeError(f"report: expected a bool, got {report!r}")
+    for name, flag in (("report", report), ("runs", runs)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {flag!r}")
     modules = dict(model.named_modules())
     try:
         chains, reason = _traced_chains(model, modules), None
     except Exception as e:  # noqa: BLE001 - any failure to trace: fall back, and say why
         chains, reason = _sequential_chains(modules), f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
     order = list(model.state_dict(keep_vars=True))
-    renames: dict[str, dict[str, str]] = {}
+    placed: dict[int, str] = {}  # id of each new module and each Identity swap put in -> the conv it is for
     for conv_name, norm_name, act_name in chains:
         conv, norm, act = (modules[n] if n else None for n in (conv_name, norm_name, act_name))
         ours = _make(conv, norm, act)
@@ -282,11 +329,17 @@ def swap(model: nn.Module, report: bool = False) -> nn.Module | tuple[nn.Module,
             if name:
                 parent, attr = _parent(model, name)
                 setattr(parent, attr, new)
+                placed[id(new)] = conv_name
+    grouped = _group_runs(model, placed) if runs else []
+    where = {members[j]: f"{members[0]}.{j}" for members in grouped for j in range(len(members))}
+    renames: dict[str, dict[str, str]] = {}
+    for conv_name, norm_name, _ in chains:
         holder = _common_prefix(*(n for n in (conv_name, norm_name) if n))
+        now = _relative(where.get(conv_name, conv_name), holder)
         found = renames.setdefault(holder, {})
-        found[_relative(conv_name, holder) + ".0."] = _relative(conv_name, holder) + "."
+        found[now + ".0."] = _relative(conv_name, holder) + "."
         if norm_name:
-            found[_relative(conv_name, holder) + ".1."] = _relative(norm_name, holder) + "."
+            found[now + ".1."] = _relative(norm_name, holder) + "."
     for holder, table in renames.items():
         prefix = holder + "." if holder else ""
         _hook(model.get_submodule(holder) if holder else model, table,
@@ -299,7 +352,7 @@ def swap(model: nn.Module, report: bool = False) -> nn.Module | tuple[nn.Module,
         if isinstance(m, nn.Conv2d) and name not in done:
             why = SUBCLASS if type(m) is not nn.Conv2d else UNTRACED
             left.setdefault(why, []).append(name)
-    return model, SwapReport(reason is None, reason, chains, left)
+    return model, SwapReport(reason is None, reason, chains, left, grouped)
 
 
 def unswap(model: nn.Module) -> nn.Module:

@@ -1,0 +1,198 @@
+"""conv2d.torch.Conv2dRun: consecutive layers called as one autograd node give bitwise what
+calling the layers in turn gives (outputs, input and parameter gradients, running
+statistics, batch counts), on every device present (the cpu backend, the reference, and
+the CUDA backend with its call graphs replayed); its state_dict is nn.Sequential's; what
+one node cannot do runs layer by layer; bad layers and inputs are refused before anything
+runs; `swap` groups a Sequential's consecutive chains into runs."""
+
+import copy
+
+import pytest
+
+from conftest import HAVE_GPU, NO_GPU_REASON
+
+torch = pytest.importorskip("torch", reason="torch is not installed (the test extra brings it)")
+from torch import nn  # noqa: E402
+
+from conv2d.torch import Conv2dNormActivation, Conv2dRun, swap, unswap  # noqa: E402
+
+# (device, cpu_backend): every backend a run can call.
+PLACES = [pytest.param(("cpu", "cpu"), id="cpu"), pytest.param(("cpu", "reference"), id="reference"),
+          pytest.param(("cuda", "cpu"), id="cuda", marks=pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON))]
+
+
+def layers(place, dtype, layout="NCHW", momentum=0.1):
+    """Four layers of every kind a network chains: a batch-normed conv, a depthwise one,
+    a layer-normed 1x1 and a strided one without a norm."""
+    device, host = place
+    torch.manual_seed(0)
+    kw = dict(dtype=dtype, device=device, layout=layout, cpu_backend=host)
+    out = [Conv2dNormActivation(3, 8, 3, padding=1, norm="batch_norm", momentum=momentum, **kw),
+           Conv2dNormActivation(8, 8, 3, padding=1, groups=8, norm="batch_norm", activation="relu6", **kw),
+           Conv2dNormActivation(8, 4, 1, norm="layer_norm", activation="silu", **kw),
+           Conv2dNormActivation(4, 6, 3, stride=2, norm="none", activation="identity", **kw)]
+    with torch.no_grad():
+        for p in (p for m in out for p in m.parameters()):
+            p.add_(0.1 * torch.randn_like(p))
+    return out
+
+
+def pair(place, dtype, **kw):
+    """(the layers in an nn.Sequential, the same layers' copies in a Conv2dRun)."""
+    seq = nn.Sequential(*layers(place, dtype, **kw))
+    return seq, Conv2dRun(*copy.deepcopy(list(seq)))
+
+
+def sample(place, dtype, layout="NCHW", n=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((n, 3, 9, 9), generator=g, dtype=dtype).to(place[0])
+    return x.to(memory_format=torch.channels_last) if layout == "NCHW" else x.permute(0, 2, 3, 1).contiguous()
+
+
+def step(model, x, d_y=None):
+    x = x.detach().clone().requires_grad_(True)
+    y = model(x)
+    y.backward(torch.ones_like(y) if d_y is None else d_y)
+    return [y.detach(), x.grad, *(p.grad for p in model.parameters()), *model.state_dict().values()]
+
+
+def assert_bitwise(got, want):
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("place", PLACES)
+def test_a_run_trains_bitwise_as_its_layers_in_turn(place, dtype, layout):
+    seq, run = pair(place, dtype, layout=layout)
+    for seed in (1, 1, 1, 2):  # repeats: on a GPU the run's forward and backward graphs replay
+        x = sample(place, dtype, layout, seed=seed)
+        assert_bitwise(step(run, x), step(seq, x))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("place", PLACES)
+def test_a_run_evaluates_bitwise_as_its_layers_in_turn(place, grad):
+    seq, run = pair(place, torch.float32)
+    seq.eval(), run.eval()
+    for _ in range(3):
+        x = sample(place, torch.float32)
+        with torch.set_grad_enabled(grad):
+            assert torch.equal(run(x), seq(x))
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_a_run_in_training_without_gradients_updates_the_statistics_as_its_layers(place):
+    seq, run = pair(place, torch.float32)
+    for _ in range(3):
+        x = sample(place, torch.float32)
+        with torch.no_grad():
+            assert torch.equal(run(x), seq(x))
+    assert_bitwise(list(run.state_dict().values()), list(seq.state_dict().values()))
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_a_run_is_one_autograd_node(place):
+    _, run = pair(place, torch.float32)
+    y = run(sample(place, torch.float32).requires_grad_(True))
+    node = y.grad_fn
+    while type(node).__name__.startswith("Permute"):
+        node = node.next_functions[0][0]
+    assert type(node).__name__ == "EagerRunBackward"
+    # Its inputs: x and every layer's parameters, nothing else of ours.
+    names = {type(n).__name__ for n, _ in node.next_functions if n is not None}
+    assert not any("Conv2d" in name for name in names)
+
+
+@pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
+def test_a_run_on_the_gpu_replays_one_graph_a_call():
+    _, run = pair(("cuda", "cpu"), torch.float32)
+    x = sample(("cuda", "cpu"), torch.float32)
+    for _ in range(5):
+        step(run, x)
+    counts = run.graph_counts()
+    assert counts["replayed"] >= 4 and counts["failed"] == 0, counts
+    assert all(sum(layer.graph_counts().values()) == 0 for layer in run), "the layers' own graphs ran"
+
+
+def test_a_runs_state_dict_is_the_sequentials_and_loads_either_way():
+    seq, run = pair(("cpu", "cpu"), torch.float64)
+    assert list(run.state_dict()) == list(seq.state_dict())
+    other = nn.Sequential(*layers(("cpu", "cpu"), torch.float64))
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(2)
+    run.load_state_dict(other.state_dict(), strict=True)
+    assert_bitwise(list(run.state_dict().values()), list(other.state_dict().values()))
+
+
+@pytest.mark.parametrize("case", ["momentum_none", "forward_hook", "autocast", "empty_batch"])
+def test_what_one_node_cannot_do_runs_layer_by_layer_with_the_same_results(case):
+    place = ("cpu", "cpu")
+    dtype = torch.float32 if case == "autocast" else torch.float64
+    seq, run = pair(place, dtype, momentum=None if case == "momentum_none" else 0.1)
+    x = sample(place, dtype, n=0 if case == "empty_batch" else 4)
+    if case == "forward_hook":
+        calls = []
+        for model in (seq, run):
+            model[2].register_forward_hook(lambda *args: calls.append(1))
+    if case == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(run(x), seq(x))
+        return
+    assert_bitwise(step(run, x), step(seq, x))
+    if case == "forward_hook":
+        assert len(calls) == 2  # the hook ran in both
+
+
+@pytest.mark.parametrize("bad, message", [
+    ((), "layers: expected at least one"),
+    ((nn.Conv2d(3, 8, 3),), r"layers\[0\]: expected a Conv2dNormActivation, got Conv2d"),
+    ((Conv2dNormActivation(3, 8, 3), Conv2dNormActivation(8, 4, 3, layout="NHWC")),
+     r"layers\[1\]: expected layout 'NCHW'"),
+    ((Conv2dNormActivation(3, 8, 3), Conv2dNormActivation(4, 4, 3)), r"layers\[1\]: expected 8 input channels"),
+])
+def test_a_run_refuses_layers_that_do_not_chain(bad, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        Conv2dRun(*bad)
+
+
+def test_an_input_too_small_for_a_later_layer_is_refused_before_any_layer_runs():
+    run = Conv2dRun(Conv2dNormActivation(3, 4, 3, dtype=torch.float64),
+                    Conv2dNormActivation(4, 4, 5, dtype=torch.float64))
+    before = copy.deepcopy(run.state_dict())
+    with pytest.raises(ValueError, match=r"layers\[1\] of the run would get a 3x3 input.*height >= 5"):
+        run(torch.randn(2, 3, 5, 5, dtype=torch.float64))
+    assert_bitwise(list(run.state_dict().values()), list(before.values()))
+
+
+def test_swap_calls_a_sequentials_consecutive_chains_as_one_run():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(),
+                          nn.Conv2d(8, 8, 1), nn.Flatten(), nn.Linear(8 * 16, 3)).double()
+    original = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    swapped, report = swap(model, report=True)
+    assert report.runs == [["0", "3", "5"]] and "1 runs of consecutive layers" in str(report)
+    assert isinstance(swapped[0], Conv2dRun) and len(swapped[0]) == 3
+    assert list(swapped.state_dict()) == keys
+    x = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(swapped(x), original(x), rtol=1e-10, atol=1e-12)
+    assert swapped.load_state_dict(original.state_dict(), strict=True)
+    unswap(swapped)
+    assert [type(m) for m in swapped] == [type(m) for m in original]
+
+
+def test_swap_without_runs_keeps_one_module_a_chain():
+    model = nn.Sequential(nn.Conv2d(4, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU())
+    _, report = swap(model, report=True, runs=False)
+    assert report.runs == [] and all(not isinstance(m, Conv2dRun) for m in model.modules())
+
+
+def test_swap_starts_a_new_run_where_a_module_other_than_a_chain_comes_between():
+    model = nn.Sequential(nn.Conv2d(4, 8, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 8, 3), nn.ReLU(),
+                          nn.Conv2d(8, 8, 1))
+    _, report = swap(model, report=True)
+    assert report.runs == [["3", "5"]]
