@@ -196,3 +196,17 @@ def test_swap_starts_a_new_run_where_a_module_other_than_a_chain_comes_between()
                           nn.Conv2d(8, 8, 1))
     _, report = swap(model, report=True)
     assert report.runs == [["3", "5"]]
+
+
+def test_swap_opens_nested_sequentials_into_one_run():
+    # MobileNetV2's inverted residual: Sequential(Sequential(conv, bn, relu6) x2, conv, bn), as torchvision's.
+    from swap_models import MODELS
+
+    torch.manual_seed(0)
+    model = MODELS["mobilenet_v2"]().double()
+    original, keys = copy.deepcopy(model), list(model.state_dict())
+    _, report = swap(model, report=True)
+    assert any(len(r) == 3 for r in report.runs), report.runs
+    assert list(model.state_dict()) == keys
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    torch.testing.assert_close(model(x), original(x), rtol=1e-10, atol=1e-12)

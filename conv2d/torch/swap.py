@@ -271,32 +271,49 @@ def _hook(holder: nn.Module, renames: dict[str, str], order: list[str]) -> None:
     object.__setattr__(holder, _HANDLES, handles)
 
 
+def _pure(m: nn.Module) -> bool:
+    """An nn.Sequential whose forward is nn.Sequential's: each child reads the one before's output alone."""
+    return isinstance(m, nn.Sequential) and not isinstance(m, Conv2dRun) and type(m).forward is nn.Sequential.forward
+
+
+def _leaves(seq: nn.Module, inside: set[int]) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, child) of what `seq`'s forward calls in turn, nested pure
+    Sequentials opened (a torchvision Conv2dNormActivation is one), their ids put in `inside`."""
+    out = []
+    for attr, child in seq._modules.items():
+        if _pure(child):
+            inside.add(id(child))
+            out += _leaves(child, inside)
+        elif child is not None:
+            out.append((seq, attr, child))
+    return out
+
+
 def _group_runs(model: nn.Module, placed: dict[int, str]) -> list[list[str]]:
-    """Put one Conv2dRun in place of each run of two or more swapped-in modules that are
-    consecutive children of an nn.Sequential (with only the Identity modules swap put in
-    between; the Sequential's own forward, so each reads the one before's output alone):
-    at the first one's name, the others' names holding nn.Identity. Returns each run's
-    conv names, first to last."""
-    grouped = []
-    for seq in [m for m in model.modules() if isinstance(m, nn.Sequential) and not isinstance(m, Conv2dRun)
-                and type(m).forward is nn.Sequential.forward]:
-        runs, current = [], []
-        for attr, child in seq._modules.items():
+    """Put one Conv2dRun in place of each run of two or more swapped-in modules that an
+    nn.Sequential calls one after another (nested Sequentials opened, only the Identity
+    modules swap put in between; nn.Sequential's own forward, so each reads the one
+    before's output alone): at the first one's name, the others' names holding
+    nn.Identity. Returns each run's conv names, first to last."""
+    grouped: list[list[str]] = []
+    inside: set[int] = set()
+    for seq in [m for m in model.modules() if _pure(m)]:
+        if id(seq) in inside:  # opened as part of an outer Sequential
+            continue
+        runs: list[list] = [[]]
+        for parent, attr, child in _leaves(seq, inside):
             if isinstance(child, Conv2dNormActivation) and id(child) in placed:
-                if current and not _joins(current[-1][1], child):
-                    runs.append(current)
-                    current = []
-                current.append((attr, child))
+                if runs[-1] and not _joins(runs[-1][-1][2], child):
+                    runs.append([])
+                runs[-1].append((parent, attr, child))
             elif not (isinstance(child, nn.Identity) and id(child) in placed):
-                runs.append(current)
-                current = []
-        runs.append(current)
+                runs.append([])
         for members in (r for r in runs if len(r) > 1):
-            first = members[0][0]
-            for attr, _ in members[1:]:
-                setattr(seq, attr, nn.Identity())
-            setattr(seq, first, Conv2dRun(*(child for _, child in members)))
-            grouped.append([placed[id(child)] for _, child in members])
+            for parent, attr, _ in members[1:]:
+                setattr(parent, attr, nn.Identity())
+            parent, attr, _ = members[0]
+            setattr(parent, attr, Conv2dRun(*(child for _, _, child in members)))
+            grouped.append([placed[id(child)] for _, _, child in members])
     return grouped
 
 
@@ -332,9 +349,14 @@ def swap(model: nn.Module, report: bool = False, runs: bool = True) -> nn.Module
                 placed[id(new)] = conv_name
     grouped = _group_runs(model, placed) if runs else []
     where = {members[j]: f"{members[0]}.{j}" for members in grouped for j in range(len(members))}
+    # A run's keys are renamed by one holder, the innermost holding the run and every
+    # member's conv and norm: hooks of nested holders would rename each other's keys.
+    parts = {c: [n for n in (c, norm) if n] for c, norm, _ in chains}
+    run_holder = {c: _common_prefix(*(n for m in members for n in parts[m]))
+                  for members in grouped for c in members}
     renames: dict[str, dict[str, str]] = {}
     for conv_name, norm_name, _ in chains:
-        holder = _common_prefix(*(n for n in (conv_name, norm_name) if n))
+        holder = run_holder[conv_name] if conv_name in run_holder else _common_prefix(*parts[conv_name])
         now = _relative(where.get(conv_name, conv_name), holder)
         found = renames.setdefault(holder, {})
         found[now + ".0."] = _relative(conv_name, holder) + "."
