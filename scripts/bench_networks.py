@@ -5,7 +5,7 @@ side by side in one process, timed in turns.
     python scripts/bench_networks.py [--device cuda|cpu] [--networks nature_dqn,impala_cnn,cifar_resnet]
         [--precisions default,strict,bfloat16] [--modes eager,graph,compile,reduce-overhead]
         [--rows train,act,loop] [--rounds 5] [--iters 10] [--threads 1,all] [--out DIR] [--isolate]
-        [--torch-deterministic]
+        [--torch-deterministic] [--no-runs]
 
 Rows: the training step (forward, loss, backward, Adam step; the network's training batch)
 and acting (eval, no_grad, batch 1, then a synchronisation). Precisions: "default"
@@ -79,20 +79,23 @@ class Residual(nn.Module):
 class InvertedResidual(nn.Module):
     """MobileNetV2's block (Sandler et al. 2018): expand 1x1 (x6) + BN + ReLU6, depthwise
     3x3 + BN + ReLU6, project 1x1 + BN, plus x where the shapes match (no expansion
-    where `expand` is 1); each conv run a Sequential, as torchvision's, so that `swap` converts all three."""
+    where `expand` is 1); laid out as torchvision's (`conv`: a Sequential of a Sequential
+    a conv chain, then the project conv and BN), so that `swap` converts all three and
+    calls them as one run."""
 
     def __init__(self, cin: int, cout: int, stride: int, expand: int = 6) -> None:
         super().__init__()
         mid = cin * expand
         self.residual = stride == 1 and cin == cout
-        self.expand = nn.Identity() if expand == 1 else nn.Sequential(nn.Conv2d(cin, mid, 1, bias=False),
-                                                                        nn.BatchNorm2d(mid), nn.ReLU6())
-        self.depthwise = nn.Sequential(nn.Conv2d(mid, mid, 3, stride, 1, groups=mid, bias=False), nn.BatchNorm2d(mid),
-                                       nn.ReLU6())
-        self.project = nn.Sequential(nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout))
+        layers = [] if expand == 1 else [nn.Sequential(nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid),
+                                                       nn.ReLU6())]
+        layers += [nn.Sequential(nn.Conv2d(mid, mid, 3, stride, 1, groups=mid, bias=False), nn.BatchNorm2d(mid),
+                                 nn.ReLU6()),
+                   nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout)]
+        self.conv = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.project(self.depthwise(self.expand(x)))
+        y = self.conv(x)
         return x + y if self.residual else y
 
 
@@ -131,12 +134,13 @@ def network(name: str) -> nn.Module:
     return nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(256, outputs))
 
 
-def models(name: str, device: str, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
-    """(PyTorch's network, the same network with the module swapped in), same weights."""
+def models(name: str, device: str, dtype: torch.dtype, runs: bool = True) -> tuple[nn.Module, nn.Module]:
+    """(PyTorch's network, the same network with the module swapped in), same weights;
+    `runs`: swap's (consecutive layers of a Sequential called as one Conv2dRun)."""
     from conv2d.torch import swap
 
     theirs = network(name)
-    ours = swap(copy.deepcopy(theirs))
+    ours = swap(copy.deepcopy(theirs), runs=runs)
     assert any(type(m).__name__ == "Conv2dNormActivation" for m in ours.modules()), name
     return tuple(m.to(device=device, dtype=dtype, memory_format=torch.channels_last) for m in (theirs, ours))
 
@@ -249,7 +253,7 @@ def compare(name: str, precision: str, mode: str, row: str, args, threads: str =
     target = torch.randn(n, outputs, generator=g).to(device)
     timer = Timer(device)
     steps = {}
-    sides = list(zip(("torch", "ours"), models(name, device, dtype)))
+    sides = list(zip(("torch", "ours"), models(name, device, dtype, runs=not args.no_runs)))
     if args.torch_deterministic:  # CUDA only (main refuses it on the CPU)
         sides.append(("torch_det", network(name).to(device=device, dtype=dtype, memory_format=torch.channels_last)))
     for side, model in sides:
@@ -312,7 +316,7 @@ def run_alone(args, name: str, precision: str, mode: str, row: str, threads: str
                "--precisions", precision, "--modes", mode, "--rows", row, "--rounds", str(args.rounds),
                "--iters", str(args.iters), "--loop-warmup", str(args.loop_warmup),
                "--loop-steps", str(args.loop_steps), "--threads", threads] + \
-        (["--torch-deterministic"] if args.torch_deterministic else [])
+        (["--torch-deterministic"] if args.torch_deterministic else []) + (["--no-runs"] if args.no_runs else [])
     if args.train_batch:
         command += ["--train-batch", str(args.train_batch)]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -383,6 +387,8 @@ def main() -> None:
     ap.add_argument("--isolate", action="store_true", help="every row in a process of its own (see the docstring)")
     ap.add_argument("--torch-deterministic", action="store_true", help="also PyTorch with cudnn.deterministic "
                     "(CUDA; see the docstring)")
+    ap.add_argument("--no-runs", action="store_true", help="swap with runs=False: one module a conv chain, "
+                    "not one Conv2dRun a run of them (to see what runs change)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child of run_alone
     args = ap.parse_args()
     cuda = args.device == "cuda"
