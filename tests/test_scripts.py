@@ -100,7 +100,8 @@ def test_a_network_comparison_that_fails_says_whose_side_failed(monkeypatch):
             raise RuntimeError("an illegal memory access was encountered")
     real = bench_networks.models
     monkeypatch.setattr(bench_networks, "models", lambda *a: (Broken(), real(*a)[1]))
-    args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=1, iters=1, torch_deterministic=False)
+    args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=1, iters=1, torch_deterministic=False,
+                                             no_runs=False)
     with pytest.raises(bench_networks.SideFailed) as failed:
         bench_networks.compare("digits_cnn", "strict", "eager", "act", args)
     assert (failed.value.side, failed.value.phase) == ("torch", "warm-up")
@@ -125,7 +126,8 @@ def test_a_network_comparison_that_fails_in_its_timed_runs_says_whose_runs_faile
         return real_forward(x)
     ours.forward = failing_after_warm_up
     monkeypatch.setattr(bench_networks, "models", lambda *a: (theirs, ours))
-    args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=1, iters=1, torch_deterministic=False)
+    args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=1, iters=1, torch_deterministic=False,
+                                             no_runs=False)
     with pytest.raises(bench_networks.SideFailed) as failed:
         bench_networks.compare("digits_cnn", "strict", "eager", "act", args)
     assert (failed.value.side, failed.value.phase) == ("ours", "timed runs")
@@ -169,7 +171,7 @@ def test_a_row_run_alone_reports_what_its_process_measured_or_how_it_ended():
     import bench_networks
 
     args = bench_networks.argparse.Namespace(device="cpu", rounds=1, iters=1, loop_warmup=10, loop_steps=5,
-                                             train_batch=2, torch_deterministic=False)
+                                             train_batch=2, torch_deterministic=False, no_runs=False)
     said = bench_networks.run_alone(args, "digits_cnn", "strict", "eager", "act")
     assert set(said) == {"times"} and set(said["times"]) == {"ours", "torch"}
     said = bench_networks.run_alone(args, "no_such_network", "strict", "eager", "act")
