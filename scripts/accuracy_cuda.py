@@ -186,7 +186,8 @@ def network_study(name: str, dtype: str, device: str) -> tuple[dict, dict, dict]
     exact_net, relus, x, target = _network_problem(name, device)
     exact, exact_masks = _first_backward(copy.deepcopy(exact_net), x, target, torch.float64, relus)
     plain, decided, flips = [], [], []
-    for model in (swap(copy.deepcopy(exact_net)), copy.deepcopy(exact_net)):  # ours, PyTorch's
+    # runs=False: each ReLU decision read from its own placeholder's output (a run gives the run's last).
+    for model in (swap(copy.deepcopy(exact_net), runs=False), copy.deepcopy(exact_net)):  # ours, PyTorch's
         got, masks = _first_backward(model.to(NETWORK_DTYPES[dtype]), x, target, NETWORK_DTYPES[dtype], relus)
         same = copy.deepcopy(exact_net)
         for relu in relus:

@@ -99,7 +99,7 @@ def test_a_network_comparison_that_fails_says_whose_side_failed(monkeypatch):
         def forward(self, x):
             raise RuntimeError("an illegal memory access was encountered")
     real = bench_networks.models
-    monkeypatch.setattr(bench_networks, "models", lambda *a: (Broken(), real(*a)[1]))
+    monkeypatch.setattr(bench_networks, "models", lambda *a, **kw: (Broken(), real(*a, **kw)[1]))
     args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=1, iters=1, torch_deterministic=False,
                                              no_runs=False)
     with pytest.raises(bench_networks.SideFailed) as failed:
@@ -125,7 +125,7 @@ def test_a_network_comparison_that_fails_in_its_timed_runs_says_whose_runs_faile
             raise RuntimeError("an illegal memory access was encountered")
         return real_forward(x)
     ours.forward = failing_after_warm_up
-    monkeypatch.setattr(bench_networks, "models", lambda *a: (theirs, ours))
+    monkeypatch.setattr(bench_networks, "models", lambda *a, **kw: (theirs, ours))
     args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=1, iters=1, torch_deterministic=False,
                                              no_runs=False)
     with pytest.raises(bench_networks.SideFailed) as failed:

@@ -17,8 +17,9 @@ convert instead, and the report says why.
 Then, by default, each run of two or more new modules that follow one another in an
 nn.Sequential (the Identity modules left between them aside) becomes one `Conv2dRun` at the
 first one's name (conv2d.torch.runs: one autograd node and one CUDA graph replay for the
-run, the same results), the others' names holding nn.Identity; `swap(model, runs=False)`
-keeps one module a chain.
+run, the same results), the others' names holding nn.Identity (a forward hook on such a
+placeholder sees what passes it: the run's output); `swap(model, runs=False)` keeps one
+module a chain, each layer's output in the model.
 
 The new module takes the Conv2d's place and shares its tensors (the same Parameter
 objects: an optimizer made before the swap still trains them); the norm and the
