@@ -15,7 +15,10 @@ TF32 off on both sides), "bfloat16". Modes: eager; the whole step captured in
 `torch.cuda.graph` ("graph"); `torch.compile` default ("compile") and
 `mode="reduce-overhead"`. Each cell is the median over `--rounds` rounds, each round
 timing PyTorch then ours for `--iters` calls after warm-up (so both see the machine at the
-same moment); the ratio is ours / PyTorch (below 1: ours is faster). GPU rows time with
+same moment); the ratio is ours / PyTorch (below 1: ours is faster). On CUDA a line
+starting with "#" follows a row where our modules used call graphs: their counts round by
+round (launched, captured, replayed, failed), since a replay needs the caller's tensor
+addresses to repeat and a round that captures again is timed with its captures. GPU rows time with
 CUDA events (GPU ms) and the wall clock; CPU rows with the wall clock only (modes eager
 and compile). On the CPU each row runs at each of `--threads` (torch.set_num_threads on
 both sides; "all": the cores): the module runs the cpu backend, which follows that count
@@ -267,6 +270,8 @@ def compare(name: str, precision: str, mode: str, row: str, args, threads: str =
         except Exception as e:
             raise SideFailed(side) from e
     times = {side: [] for side, _ in sides}
+    ours = dict(sides)["ours"]
+    counts = [graph_counts(ours)]
     for _ in range(args.rounds):
         for side in times:
             deterministic(side, device)
@@ -276,8 +281,25 @@ def compare(name: str, precision: str, mode: str, row: str, args, threads: str =
                 times[side].append(timer(steps[side], args.iters))
             except Exception as e:
                 raise SideFailed(side, "timed runs") from e
+        counts.append(graph_counts(ours))
     deterministic("torch", device)
+    if any(counts[-1].values()):
+        rounds = [{k: b[k] - a[k] for k in b} for a, b in zip(counts, counts[1:])]
+        print(f"# {name} {row} {precision} {mode}: our call graphs, round by round: {rounds}", flush=True)
     return {side: tuple(statistics.median(t[i] for t in ts) for i in (0, 1)) for side, ts in times.items()}
+
+
+def graph_counts(model: nn.Module) -> dict[str, int]:
+    """How the eager CUDA calls of `model`'s modules went so far (their `graph_counts`,
+    summed: launched, captured, replayed, failed): a replay needs every address of a
+    call to repeat, so a round of steps that captures or launches again instead of
+    replaying says that they did not."""
+    total: dict[str, int] = {}
+    for m in model.modules():
+        counted = getattr(m, "graph_counts", None)
+        for k, v in (counted() if callable(counted) else {}).items():
+            total[k] = total.get(k, 0) + v
+    return total
 
 
 def deterministic(side: str, device: str) -> None:

@@ -134,6 +134,33 @@ def test_a_network_comparison_that_fails_in_its_timed_runs_says_whose_runs_faile
     assert bench_networks.failure(failed.value).startswith("failed (our side, timed runs: RuntimeError: an illegal")
 
 
+def test_a_network_comparison_prints_our_call_graphs_round_by_round(monkeypatch, capsys):
+    """Where our modules count call graphs (on CUDA), each row is followed by what each
+    timed round did with them: a round that captured or launched again was timed so."""
+    torch = pytest.importorskip("torch")
+    import bench_networks
+
+    class Counted(torch.nn.Module):  # a stand-in for a module with call graphs: each call replays
+        def __init__(self):
+            super().__init__()
+            self.counts = {"eager": 0, "captured": 0, "replayed": 0, "failed": 0}
+
+        def forward(self, x):
+            self.counts["replayed"] += 1
+            return x
+
+        def graph_counts(self):
+            return dict(self.counts)
+    ours = torch.nn.Sequential(torch.nn.Sequential(Counted()), Counted())
+    monkeypatch.setattr(bench_networks, "models", lambda *a, **kw: (torch.nn.Identity(), ours))
+    args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=2, iters=3, torch_deterministic=False,
+                                             no_runs=False)
+    bench_networks.compare("digits_cnn", "strict", "eager", "act", args)
+    round_ = {"eager": 0, "captured": 0, "replayed": 6, "failed": 0}  # 3 calls of 2 modules a round
+    assert f"# digits_cnn act strict eager: our call graphs, round by round: {[round_, round_]}" in \
+        capsys.readouterr().out
+
+
 def test_after_a_cuda_error_the_networks_benchmark_runs_each_later_row_in_a_process_of_its_own(monkeypatch, capsys):
     """A CUDA error leaves the process's context unusable: the failing row says so, and
     the rows after it run in processes of their own (run_alone), not in the poisoned one."""
