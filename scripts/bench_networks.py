@@ -18,8 +18,8 @@ timing PyTorch then ours for `--iters` calls after warm-up (so both see the mach
 same moment); the ratio is ours / PyTorch (below 1: ours is faster). On CUDA a line
 starting with "#" follows a row where our modules used call graphs: their counts round by
 round (launched, captured, replayed, failed), since a replay needs the caller's tensor
-addresses to repeat and a round that captures again is timed with its captures. GPU rows time with
-CUDA events (GPU ms) and the wall clock; CPU rows with the wall clock only (modes eager
+addresses to repeat and a round that captures again is timed with its captures. GPU rows
+time with CUDA events (GPU ms) and the wall clock; CPU rows with the wall clock only (modes eager
 and compile). On the CPU each row runs at each of `--threads` (torch.set_num_threads on
 both sides; "all": the cores): the module runs the cpu backend, which follows that count
 (conv2d.cpu.threads). Row "loop": the Breakout demo's DQN loop end to end in environment steps
@@ -235,6 +235,23 @@ def thread_count(given: str) -> int:
     return len(os.sched_getaffinity(0)) if given == "all" else int(given)
 
 
+def row_inputs(name: str, row: str, precision: str, device: str, batch: int | None = None
+               ) -> tuple[torch.dtype, torch.Tensor, torch.Tensor]:
+    """(dtype, x, target) of `row` of network `name` at `precision` (x channels_last; a
+    training batch of `batch`, else the network's; acting: batch 1), with PyTorch's
+    cuDNN switches set for the precision on CUDA."""
+    dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
+    if device == "cuda":
+        torch.backends.cudnn.allow_tf32 = precision == "default"
+        torch.backends.cudnn.benchmark = False
+    (c, h, w), n, outputs = NETWORKS[name]
+    n = batch or n
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n if row == "train" else 1, c, h, w, generator=g).to(device=device, dtype=dtype,
+                                                                         memory_format=torch.channels_last)
+    return dtype, x, torch.randn(n, outputs, generator=g).to(device)
+
+
 def compare(name: str, precision: str, mode: str, row: str, args, threads: str = "all") -> dict | None:
     """Both sides' median (GPU, wall) ms of `row` ("train" or "act"); None where the mode
     does not apply (graphs on the CPU). On the CPU both sides run `threads` threads."""
@@ -243,17 +260,9 @@ def compare(name: str, precision: str, mode: str, row: str, args, threads: str =
         return None
     if device == "cpu":
         torch.set_num_threads(thread_count(threads))
-    dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
-    if device == "cuda":
-        torch.backends.cudnn.allow_tf32 = precision == "default"
-        torch.backends.cudnn.benchmark = False
     torch._dynamo.reset()
-    (c, h, w), n, outputs = NETWORKS[name]
-    n = args.train_batch or (CPU_TRAIN_BATCH.get(name, n) if device == "cpu" else n)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n if row == "train" else 1, c, h, w, generator=g).to(device=device, dtype=dtype,
-                                                                         memory_format=torch.channels_last)
-    target = torch.randn(n, outputs, generator=g).to(device)
+    n = args.train_batch or (CPU_TRAIN_BATCH.get(name) if device == "cpu" else None)
+    dtype, x, target = row_inputs(name, row, precision, device, n)
     timer = Timer(device)
     steps = {}
     sides = list(zip(("torch", "ours"), models(name, device, dtype, runs=not args.no_runs)))

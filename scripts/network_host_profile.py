@@ -26,14 +26,7 @@ import torch
 
 def prepared(name: str, row: str, precision: str, runs: bool) -> dict:
     """{"torch": step, "ours": step} for `row` of network `name`, warmed up."""
-    torch.backends.cudnn.allow_tf32 = precision == "default"
-    torch.backends.cudnn.benchmark = False
-    dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
-    (c, h, w), n, outputs = bn.NETWORKS[name]
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n if row == "train" else 1, c, h, w, generator=g).to("cuda", dtype,
-                                                                         memory_format=torch.channels_last)
-    target = torch.randn(n, outputs, generator=g).to("cuda")
+    dtype, x, target = bn.row_inputs(name, row, precision, "cuda")
     timer = bn.Timer("cuda")
     steps = {}
     for side, model in zip(("torch", "ours"), bn.models(name, "cuda", dtype, runs=runs)):
