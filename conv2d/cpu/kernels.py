@@ -408,6 +408,27 @@ def backward_epilogue(z, d_y, mode, mean, inv_std, gamma, beta, code, p, batch_s
               z.shape[1], mode, mean, inv_std, gamma, beta, code, p, batch_stats, mean_g, mean_gx, _rows(d_z))
 
 
+# Dense convolutions' input gradient --------------------------------------------------------
+@njit(nogil=True, cache=True)
+def add_windows(g, stride, dilation, d_xp):
+    """d_xp (N, Hp, Wp, C) += each output position's taps g (N, OH, OW, KH, KW, C): the
+    adjoint of the forward's windows (col2im). Each sample's positions in order, taps in
+    (kh, kw) order, so an element's sum has one order whatever the blocks or threads."""
+    n, oh, ow, kh, kw, c = g.shape
+    sh, sw = stride
+    dh, dw = dilation
+    for i in range(n):
+        for r in range(oh):
+            for col in range(ow):
+                for a in range(kh):
+                    out_row = d_xp[i, r * sh + a * dh]
+                    for b in range(kw):
+                        out = out_row[col * sw + b * dw]
+                        tap = g[i, r, col, a, b]
+                        for k in range(c):
+                            out[k] += tap[k]
+
+
 # Depthwise convolutions (groups = C, each input channel makes `mult` output channels) -----
 # Output channel o = c * mult + j reads input channel c. Sums run in the arrays' dtype
 # (the compute dtype), the filter gradient's chunk sums added in float64.
