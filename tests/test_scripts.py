@@ -67,6 +67,19 @@ def test_the_network_layers_script_times_each_swapped_layer_of_the_digits_cnn_on
     assert "| all layers |" in out and "| ours / PyTorch |" in out
 
 
+def test_the_cpu_convolutions_script_times_each_digits_convolution_three_ways_and_writes_its_table(tmp_path):
+    pytest.importorskip("torch")
+    out = run_script(ROOT / "scripts" / "bench_cpu_convolutions.py", "--networks", "digits_cnn,mobilenet_v2",
+                     "--rounds", "1", "--iters", "1", "--out", str(tmp_path), timeout=300).stdout
+    digits = [line for line in out.splitlines() if line.startswith("| digits_cnn |")]
+    assert [r.split(" | ")[1] for r in digits] == ["1->16 3x3/1", "16->32 3x3/2", "32->10 4x4/1"]
+    assert all(r.split(" | ")[6] != "-" for r in digits)  # dense: a product timed
+    depthwise = [line for line in out.splitlines() if " groups " in line]
+    assert depthwise and all(r.split(" | ")[6] == "-" for r in depthwise)  # a compiled loop, no product
+    assert "| **digits_cnn** | all |" in out and "| **mobilenet_v2** | all |" in out
+    assert "Made by `python3 scripts/bench_cpu_convolutions.py" in (tmp_path / "bench_cpu_convolutions.md").read_text()
+
+
 def test_the_module_host_cost_script_times_both_rows_and_profiles_ours_on_the_cpu():
     pytest.importorskip("torch")
     out = run_script(ROOT / "scripts" / "module_host_cost.py", "--device", "cpu", "--bn", "--calls", "20", "--top",
