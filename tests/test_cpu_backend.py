@@ -70,6 +70,70 @@ def test_the_tasks_of_a_call_run_on_as_many_threads_as_asked(monkeypatch):
     assert len(seen) == 3
 
 
+@pytest.fixture
+def torch_team(monkeypatch):
+    """PyTorch at 3 threads with its OpenMP team found (a skip naming what is missing
+    otherwise), `use("torch")` set for the test; PyTorch's count restored after."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed (the test extra brings it)")
+    from conv2d.cpu import threads as pool
+
+    if pool.openmp() is None:
+        pytest.skip("PyTorch's OpenMP runtime here is not GNU libgomp: the cpu backend uses its own pool")
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    pool.use("torch")
+    yield pool
+    pool.use(None)
+    torch.set_num_threads(before)
+
+
+def test_with_threads_torch_the_tasks_run_on_pytorchs_openmp_team_not_a_pool_beside_it(torch_team):
+    seen = {}
+    barrier = threading.Barrier(3, timeout=10)
+
+    def kernel(first, end):  # each range waits for the others: they run at once, or this times out
+        seen[threading.get_ident()] = (threading.current_thread().name, torch_team.openmp()[1]())
+        barrier.wait()
+    kernels.run_tasks(kernel, 7, kernels.PARALLEL_VALUES)
+    assert sorted(n for _, n in seen.values()) == [0, 1, 2]  # omp_get_thread_num: one team of three
+    assert threading.get_ident() in seen  # the caller is the team's first thread
+    assert not any(name.startswith("conv2d-cpu") for name, _ in seen.values())
+
+
+def test_a_task_that_raises_on_pytorchs_team_raises_from_the_call(torch_team):
+    def kernel(first, end):
+        if first > 0:
+            raise ArithmeticError(f"range {first}:{end}")
+    with pytest.raises(ArithmeticError, match="range"):
+        kernels.run_tasks(kernel, 6, kernels.PARALLEL_VALUES)
+
+
+def test_a_call_inside_a_team_task_still_runs_every_range(torch_team):
+    """A nested region gets a team of one thread (OpenMP's default): that thread runs
+    all the ranges."""
+    done = []
+    lock = threading.Lock()
+
+    def inner(first, end):
+        with lock:
+            done.extend(range(first, end))
+
+    def outer(first, end):
+        kernels.run_tasks(inner, 5, kernels.PARALLEL_VALUES)
+    kernels.run_tasks(outer, 3, kernels.PARALLEL_VALUES)
+    assert sorted(done) == sorted(list(range(5)) * 3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", SPECS)
+def test_results_on_pytorchs_team_are_bitwise_those_of_one_thread(shape, dtype, torch_team, monkeypatch):
+    monkeypatch.setattr(kernels, "PARALLEL_VALUES", 1)
+    spec = LayerSpec(batch_size=5, in_height=23, in_width=19, dtype=dtype, **SPECS[shape])
+    one = _step(spec, 1)
+    for got, want in zip(_step(spec, "torch"), one):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_a_small_call_runs_on_the_calling_thread():
     from conv2d.cpu import threads as pool
 

@@ -9,9 +9,9 @@ vectorise twice as wide), transcendental activations in float64.
 
 Threads: each kernel is a loop over its tasks (chunks of rows, samples, output rows),
 compiled once with the GIL released (`nogil`); `run_tasks` splits the tasks into as many
-contiguous ranges as the call's thread count (conv2d.cpu.threads) and runs them on a pool
-of Python threads, the calling thread taking the first. Partial sums land in one slot a
-task, added in task order afterwards, so the bits do not depend on the split. Not numba's
+contiguous ranges as the call's thread count and runs them at once (conv2d.cpu.threads
+says on which threads). Partial sums land in one slot a task, added in task order
+afterwards, so the bits do not depend on the split. Not numba's
 threading layers: in a process with PyTorch, numba's "omp" layer binds to PyTorch's
 OpenMP runtime for some calls and its own for others (it reset torch.get_num_threads()
 from 1 to 2, and the module's acting call on Nature-DQN took 25 ms instead of 0.6 ms),
@@ -24,7 +24,6 @@ Arrays: activations as (N, P, C) views of (N, OH, OW, OC) (P = OH*OW), C-contigu
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 
 import numpy as np
@@ -37,26 +36,17 @@ from conv2d.cpu import threads
 # Less work than this many values a call runs on the calling thread alone: a task
 # handed to another thread costs ~20 us, an acting call's whole layer a few.
 PARALLEL_VALUES = 1 << 16
-_POOL: list = [None, 0]  # the ThreadPoolExecutor and its size
 
 
 def run_tasks(kernel, tasks: int, values: int, *args) -> None:
     """kernel(first, end, *args) over tasks [0, tasks): in contiguous ranges on as many
-    threads as `threads.count()` allows (one where `values`, the data the call touches, is
-    below PARALLEL_VALUES)."""
+    threads as `threads.count()` allows (conv2d.cpu.threads.run says which threads; one,
+    the caller's, where `values`, the data the call touches, is below PARALLEL_VALUES)."""
     count = min(threads.count(), tasks) if values >= PARALLEL_VALUES else 1
     if count <= 1:
         kernel(0, tasks, *args)
         return
-    if _POOL[1] < count - 1:
-        if _POOL[0] is not None:
-            _POOL[0].shutdown(wait=True)
-        _POOL[0], _POOL[1] = concurrent.futures.ThreadPoolExecutor(count - 1, "conv2d-cpu"), count - 1
-    bounds = [tasks * i // count for i in range(count + 1)]
-    done = [_POOL[0].submit(kernel, bounds[i], bounds[i + 1], *args) for i in range(1, count)]
-    kernel(bounds[0], bounds[1], *args)
-    for d in done:
-        d.result()
+    threads.run(kernel, tasks, count, args)
 
 
 ACTIVATION_CODES = {a: i for i, a in enumerate(Activation)}
