@@ -122,8 +122,24 @@ def provenance(gpu: bool) -> str:
                   f"nvidia-cudnn-frontend {_version('nvidia-cudnn-frontend')}", f"NumPy {numpy.__version__}"]
     else:
         parts += [f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                  f"PyTorch {torch.__version__}", f"NumPy {numpy.__version__}"]
+                  f"PyTorch {torch.__version__}", f"NumPy {numpy.__version__}", _blas()]
     return "; ".join(parts) + "."
+
+
+def _blas() -> str:
+    """NumPy's BLAS and the kernel set it runs (they set the cpu backend's products), with
+    OPENBLAS_CORETYPE where the environment forces one (some machines force an older set,
+    which slows the products)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "NumPy's BLAS unknown"
+    found = [i for i in threadpool_info() if i.get("user_api") == "blas" and "numpy" in (i.get("filepath") or "")]
+    if not found:
+        return "NumPy's BLAS unknown"
+    chosen = os.environ.get("OPENBLAS_CORETYPE")
+    return (f"NumPy's BLAS {found[0].get('internal_api')} {found[0].get('version')} "
+            f"({found[0].get('architecture')} kernels" + (f", OPENBLAS_CORETYPE={chosen}" if chosen else "") + ")")
 
 
 def write_table(out: str | os.PathLike, name: str, title: str, lines: list[str], gpu: bool,
