@@ -203,3 +203,53 @@ def test_a_stack_on_the_cpu_backend_trains_as_on_the_reference():
     for a, b in zip(*stacks):
         for k, g in a.grad_dict().items():
             np.testing.assert_allclose(b.grad_dict()[k], g, rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+def _float32_edge_bits() -> np.ndarray:
+    """float32 bit patterns where a cast to bfloat16 can go wrong: zeros, infinities,
+    NaNs (quiet, signalling, payloads, both signs), subnormals, the largest finite values,
+    ties between two bfloat16 values (even and odd below), one bit either side of a tie,
+    and random ones."""
+    edges = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001,
+             0x7FBFFFFF, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FA50000, 0x00000001, 0x80000001, 0x007FFFFF, 0x00008000,
+             0x00018000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001,
+             0xBF808000, 0xBF818000, 0x4B7FFFFF]
+    rng = np.random.default_rng(0)
+    return np.concatenate([np.array(edges, np.uint32), rng.integers(0, 2**32, 100_000, dtype=np.uint64)
+                           .astype(np.uint32)])
+
+
+def test_the_bfloat16_casts_give_numpys_bits_for_every_edge_case():
+    bits = _float32_edge_bits()
+    x = bits.view(np.float32)
+    with np.errstate(invalid="ignore"):
+        want = x.astype(kernels.BFLOAT16)
+    np.testing.assert_array_equal(kernels.cast(x, kernels.BFLOAT16).view(np.uint16), want.view(np.uint16))
+    np.testing.assert_array_equal(kernels.through(x, kernels.BFLOAT16).view(np.uint32),
+                                  want.astype(np.float32).view(np.uint32))
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(kernels.BFLOAT16)  # exact: all 65,536
+    np.testing.assert_array_equal(kernels.cast(every, np.dtype(np.float32)).view(np.uint32),
+                                  every.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_bfloat16_casts_keep_the_shape_and_split_into_tasks_alike(threads):
+    from conv2d.cpu import threads as pool
+
+    x = np.random.default_rng(1).standard_normal((4, 100, 100, 7)).astype(np.float32)
+    assert x.size > 4 * kernels.CAST_CHUNK  # several tasks
+    pool.use(threads)
+    try:
+        got = kernels.cast(x, kernels.BFLOAT16)
+    finally:
+        pool.use(None)
+    assert got.shape == x.shape and got.dtype == kernels.BFLOAT16
+    np.testing.assert_array_equal(got.view(np.uint16), x.astype(kernels.BFLOAT16).view(np.uint16))
+
+
+def test_a_cast_to_the_same_dtype_is_the_array_itself_and_other_pairs_are_numpys():
+    x = np.ones((2, 3), np.float32)
+    assert kernels.cast(x, np.dtype(np.float32)) is x
+    np.testing.assert_array_equal(kernels.cast(x, np.dtype(np.float16)), x.astype(np.float16))
+    strided = np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2]  # not contiguous: NumPy's cast
+    np.testing.assert_array_equal(kernels.cast(strided, kernels.BFLOAT16).astype(np.float32), strided)
