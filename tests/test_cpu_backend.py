@@ -253,3 +253,18 @@ def test_a_cast_to_the_same_dtype_is_the_array_itself_and_other_pairs_are_numpys
     np.testing.assert_array_equal(kernels.cast(x, np.dtype(np.float16)), x.astype(np.float16))
     strided = np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2]  # not contiguous: NumPy's cast
     np.testing.assert_array_equal(kernels.cast(strided, kernels.BFLOAT16).astype(np.float32), strided)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("stride, dilation", [((1, 1), (1, 1)), ((2, 2), (1, 1)), ((2, 1), (1, 2)), ((1, 3), (2, 1))])
+def test_the_3x3_depthwise_forward_gives_the_general_loops_bits(stride, dilation, dtype):
+    rng = np.random.default_rng(2)
+    xp = rng.standard_normal((3, 13, 12, 37)).astype(dtype)
+    xp[0, :3] = -0.0  # zero products: the sums start from +0 in both
+    w = rng.standard_normal((3, 3, 37)).astype(dtype)
+    oh = (13 - 2 * dilation[0] - 1) // stride[0] + 1
+    ow = (12 - 2 * dilation[1] - 1) // stride[1] + 1
+    general, three = np.empty((3, oh, ow, 37), dtype), np.empty((3, oh, ow, 37), dtype)
+    kernels._depthwise_forward(0, 3 * oh, xp, w, stride, dilation, general)
+    kernels._depthwise_forward_3x3(0, 3 * oh, xp, w, stride, dilation, three)
+    np.testing.assert_array_equal(three.view(np.uint8), general.view(np.uint8))  # the signs of zeros too
