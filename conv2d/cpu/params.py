@@ -80,6 +80,10 @@ def _memory(a: Any) -> tuple:
     """What a view of the array object `a` depends on and an in-place change can alter
     (`a.shape = ...` on a NumPy array; `t.data = ...`, `t.set_()`, `t.resize_()` on a
     tensor)."""
+    if type(a) is np.ndarray:
+        return a.shape, a.strides, a.dtype
+    if library(a) == TORCH:  # torch.Size compares as the tuple it is
+        return a.data_ptr(), a.shape, a.dtype, a.stride()
     if isinstance(a, np.ndarray):
         return a.shape, a.strides, a.dtype
     ptr = getattr(a, "data_ptr", None)
@@ -93,5 +97,9 @@ def _same_arrays(snapshot: tuple | None, arrays: Mapping[str, Any] | None) -> bo
     if snapshot is None:
         return arrays is None
     kept, items = snapshot
-    return kept is arrays and len(arrays) == len(items) and all(
-        arrays.get(k) is a and _memory(a) == m for k, a, m in items)
+    if kept is not arrays or len(arrays) != len(items):
+        return False
+    for k, a, m in items:
+        if arrays.get(k) is not a or _memory(a) != m:
+            return False
+    return True
