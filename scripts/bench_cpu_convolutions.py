@@ -105,7 +105,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--out", default=None, help="write DIR/bench_cpu_convolutions.md")
+    p.add_argument("--out", default=None, help="a folder to write bench_cpu_convolutions.md in")
     args = p.parse_args()
     from conv2d.cpu import threads
 

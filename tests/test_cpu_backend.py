@@ -14,7 +14,7 @@ pytest.importorskip("numba", reason="numba is not installed (the test extra brin
 
 from conftest import make_layer, random_inputs  # noqa: E402
 from conv2d import Conv2d, LayerSpec  # noqa: E402
-from conv2d.cpu import kernels  # noqa: E402
+from conv2d.cpu import casts, kernels  # noqa: E402
 from conv2d.reference import conv as reference_conv  # noqa: E402
 from conv2d.cpu import conv as cpu_conv  # noqa: E402
 
@@ -223,12 +223,12 @@ def test_the_bfloat16_casts_give_numpys_bits_for_every_edge_case():
     bits = _float32_edge_bits()
     x = bits.view(np.float32)
     with np.errstate(invalid="ignore"):
-        want = x.astype(kernels.BFLOAT16)
-    np.testing.assert_array_equal(kernels.cast(x, kernels.BFLOAT16).view(np.uint16), want.view(np.uint16))
-    np.testing.assert_array_equal(kernels.through(x, kernels.BFLOAT16).view(np.uint32),
+        want = x.astype(casts.BFLOAT16)
+    np.testing.assert_array_equal(casts.cast(x, casts.BFLOAT16).view(np.uint16), want.view(np.uint16))
+    np.testing.assert_array_equal(casts.through(x, casts.BFLOAT16).view(np.uint32),
                                   want.astype(np.float32).view(np.uint32))
-    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(kernels.BFLOAT16)  # exact: all 65,536
-    np.testing.assert_array_equal(kernels.cast(every, np.dtype(np.float32)).view(np.uint32),
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(casts.BFLOAT16)  # exact: all 65,536
+    np.testing.assert_array_equal(casts.cast(every, np.dtype(np.float32)).view(np.uint32),
                                   every.astype(np.float32).view(np.uint32))
 
 
@@ -237,22 +237,22 @@ def test_the_bfloat16_casts_keep_the_shape_and_split_into_tasks_alike(threads):
     from conv2d.cpu import threads as pool
 
     x = np.random.default_rng(1).standard_normal((4, 100, 100, 7)).astype(np.float32)
-    assert x.size > 4 * kernels.CAST_CHUNK  # several tasks
+    assert x.size > 4 * casts.CAST_CHUNK  # several tasks
     pool.use(threads)
     try:
-        got = kernels.cast(x, kernels.BFLOAT16)
+        got = casts.cast(x, casts.BFLOAT16)
     finally:
         pool.use(None)
-    assert got.shape == x.shape and got.dtype == kernels.BFLOAT16
-    np.testing.assert_array_equal(got.view(np.uint16), x.astype(kernels.BFLOAT16).view(np.uint16))
+    assert got.shape == x.shape and got.dtype == casts.BFLOAT16
+    np.testing.assert_array_equal(got.view(np.uint16), x.astype(casts.BFLOAT16).view(np.uint16))
 
 
 def test_a_cast_to_the_same_dtype_is_the_array_itself_and_other_pairs_are_numpys():
     x = np.ones((2, 3), np.float32)
-    assert kernels.cast(x, np.dtype(np.float32)) is x
-    np.testing.assert_array_equal(kernels.cast(x, np.dtype(np.float16)), x.astype(np.float16))
+    assert casts.cast(x, np.dtype(np.float32)) is x
+    np.testing.assert_array_equal(casts.cast(x, np.dtype(np.float16)), x.astype(np.float16))
     strided = np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2]  # not contiguous: NumPy's cast
-    np.testing.assert_array_equal(kernels.cast(strided, kernels.BFLOAT16).astype(np.float32), strided)
+    np.testing.assert_array_equal(casts.cast(strided, casts.BFLOAT16).astype(np.float32), strided)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -13,8 +13,8 @@ operations a layer needs. The names, arguments and contract are the reference's
 Every sum runs in float64 over chunks fixed by the shape, so results are bitwise the same
 for any thread count (conv2d.cpu.threads says how many run). Rounding to the storage dtype
 happens where the reference rounds: the pre-activations, y, d_z before the convolution
-gradients, d_x and the weight gradients (bfloat16's casts by kernels.cast and
-kernels.through, NumPy's bits in a compiled pass). Arrays: as the reference's.
+gradients, d_x and the weight gradients (bfloat16's casts by casts.cast and
+casts.through, NumPy's bits in a compiled pass). Arrays: as the reference's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 from conv2d.activations import DEFAULT_PARAMETER
 from conv2d.arrays import host_view, to_library
 from conv2d.checks import check_numpy
-from conv2d.cpu import conv, kernels, params as checked, threads as pool
+from conv2d.cpu import casts, conv, kernels, params as checked, threads as pool
 from conv2d.dtypes import compute_dtype, storage_dtype
 from conv2d.reference import functional as reference
 from conv2d.reference.functional import Saved, check_input, check_running_writable, check_saved, gradients_out
@@ -49,13 +49,13 @@ def _pre_activations(spec: LayerSpec, params: dict, x: np.ndarray) -> tuple[np.n
     """(pre, z): conv(x, W) + b (N, OH, OW, OC) in the storage dtype, and the same values
     in the compute dtype (one array where the two dtypes are one)."""
     ct, st = compute_dtype(spec.dtype), storage_dtype(spec.dtype)
-    z = conv.conv_forward(kernels.cast(x, ct), kernels.cast(params["weights"], ct), spec.stride,
+    z = conv.conv_forward(casts.cast(x, ct), casts.cast(params["weights"], ct), spec.stride,
                           spec.pads, per_sample=spec.batch_invariant, dilation=spec.dilation, groups=spec.groups,
                           mode=spec.padding_mode)
     if spec.bias:
         z += params["bias"].astype(ct, copy=False)
-    pre = kernels.cast(z, st)
-    return pre, kernels.cast(pre, ct)
+    pre = casts.cast(z, st)
+    return pre, casts.cast(pre, ct)
 
 
 def _statistics(spec: LayerSpec, z: np.ndarray, training: bool, running: dict | None
@@ -128,7 +128,7 @@ def forward(spec: LayerSpec, params: Mapping[str, Any], x: Any, training: bool,
     none = np.zeros(1, ct)  # the statistics' stand-in without a norm
     kernels.forward_epilogue(_pixels(z), _MODES[spec.normalization], none if mean is None else mean,
                              none if inv_std is None else inv_std, gamma, beta, code, p, _pixels(y))
-    return to_library(kernels.cast(y, st), lib), Saved(call, x, pre, mean, inv_std, from_batch, lib)
+    return to_library(casts.cast(y, st), lib), Saved(call, x, pre, mean, inv_std, from_batch, lib)
 
 
 def grad_pre_activations(spec: LayerSpec, params: dict, saved: Saved, d_y: np.ndarray
@@ -136,8 +136,8 @@ def grad_pre_activations(spec: LayerSpec, params: dict, saved: Saved, d_y: np.nd
     """d_z (N, OH, OW, OC) in the compute dtype, and the norm's parameter gradients."""
     call = saved.spec
     ct = compute_dtype(spec.dtype)
-    z = _pixels(kernels.cast(saved.pre, ct))
-    d_y3 = _pixels(kernels.cast(d_y, ct))
+    z = _pixels(casts.cast(saved.pre, ct))
+    d_y3 = _pixels(casts.cast(d_y, ct))
     mode = _MODES[spec.normalization]
     gamma, beta = _norm_parameters(spec, params, ct)
     code, p = _activation(spec)
@@ -175,22 +175,22 @@ def backward(spec: LayerSpec, params: Mapping[str, Any], saved: Saved, d_y: Any,
         acc, _ = checked.check_params(spec, {k: accumulate.get(k) for k in grad_layout(spec)}, None, False)
     pool.use(threads)
     d_z, norm_grads = grad_pre_activations(spec, params, saved, d_y)
-    d_z_stored = kernels.through(d_z, st)
+    d_z_stored = casts.through(d_z, st)
     d_x = None
     if want_input:
-        w = kernels.cast(params["weights"], ct)
+        w = casts.cast(params["weights"], ct)
         d_x = conv.conv_backward_data(w, d_z_stored, (call.in_height, call.in_width), call.stride, call.pads,
                                       per_sample=spec.batch_invariant, dilation=call.dilation, groups=call.groups,
                                       mode=call.padding_mode)
-        d_x = to_library(kernels.cast(d_x, st), lib)
+        d_x = to_library(casts.cast(d_x, st), lib)
     if not want_params:
         return None, d_x
     new = dict(norm_grads)
     if spec.bias:
         new["bias"] = conv.bias_backward(d_z_stored)
-    d_w = conv.conv_backward_filter(kernels.cast(saved.x, ct), d_z_stored, call.kernel, call.stride,
+    d_w = conv.conv_backward_filter(casts.cast(saved.x, ct), d_z_stored, call.kernel, call.stride,
                                     call.pads, call.dilation, call.groups, call.padding_mode)
-    new["weights"] = kernels.through(d_w, st)
+    new["weights"] = casts.through(d_w, st)
     return gradients_out(spec, new, acc, accumulate, lib), d_x
 
 

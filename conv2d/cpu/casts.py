@@ -1,0 +1,86 @@
+"""bfloat16 <-> float32 casts of the CPU backend, compiled (numba's CPU compiler): with
+conv2d.cpu.kernels, the modules of conv2d/cpu that import numba.
+
+ml_dtypes' casts run ~10x slower than a copy (one element at a time through its ufunc
+loop): a bfloat16 network's step spent a third of its time in them. These are the same
+roundings on the bits: float32 -> bfloat16 rounds to nearest even and makes every NaN
+the quiet NaN 0x7FC0 with its sign, as ml_dtypes does (all 2**32 float32 values
+compared when this was written; tests/test_cpu_backend.py compares the edge cases);
+bfloat16 -> float32 is exact. The tasks are chunks of CAST_CHUNK elements
+(conv2d.cpu.kernels.run_tasks).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+from numba import njit
+
+from conv2d.cpu.kernels import run_tasks
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+CAST_CHUNK = 1 << 16  # elements a task
+
+
+@njit(nogil=True, cache=True)
+def _to_bfloat16(first, end, src, dst):
+    # Python-int constants: the arithmetic in int64 vectorises (numba's uint32 constants
+    # made the loop ten times slower).
+    lo, hi = first * CAST_CHUNK, min(src.size, end * CAST_CHUNK)
+    s, d = src[lo:hi], dst[lo:hi]
+    for i in range(s.size):
+        u = s[i]
+        if (u & 0x7FFFFFFF) > 0x7F800000:  # NaN: the quiet NaN, sign kept
+            d[i] = ((u >> 16) & 0x8000) | 0x7FC0
+        else:  # to nearest, ties to even
+            d[i] = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+
+
+@njit(nogil=True, cache=True)
+def _from_bfloat16(first, end, src, dst):
+    lo, hi = first * CAST_CHUNK, min(src.size, end * CAST_CHUNK)
+    s, d = src[lo:hi], dst[lo:hi]
+    for i in range(s.size):
+        d[i] = s[i] << 16
+
+
+@njit(nogil=True, cache=True)
+def _through_bfloat16(first, end, src, dst):
+    lo, hi = first * CAST_CHUNK, min(src.size, end * CAST_CHUNK)
+    s, d = src[lo:hi], dst[lo:hi]
+    for i in range(s.size):
+        u = s[i]
+        if (u & 0x7FFFFFFF) > 0x7F800000:
+            d[i] = (((u >> 16) & 0x8000) | 0x7FC0) << 16
+        else:
+            d[i] = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16) << 16
+
+
+def cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """`a.astype(dtype, copy=False)`, the same bits; bfloat16 <-> float32 of a C-contiguous
+    array by the compiled loops."""
+    if a.dtype == dtype:
+        return a
+    if not a.flags.c_contiguous or {a.dtype, dtype} != {BFLOAT16, _FLOAT32}:
+        return a.astype(dtype)
+    out = np.empty(a.shape, dtype)
+    to = a.dtype == _FLOAT32
+    src, dst = a.reshape(-1).view(np.uint32 if to else np.uint16), out.reshape(-1).view(np.uint16 if to else np.uint32)
+    run_tasks(_to_bfloat16 if to else _from_bfloat16, -(-a.size // CAST_CHUNK), a.size, src, dst)
+    return out
+
+
+def through(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """`a.astype(dtype).astype(a.dtype)`: `a` rounded to `dtype`'s precision, kept in its
+    own dtype (float32 through bfloat16 in one compiled pass)."""
+    if a.dtype == dtype:
+        return a
+    if not a.flags.c_contiguous or a.dtype != _FLOAT32 or dtype != BFLOAT16:
+        return a.astype(dtype).astype(a.dtype)
+    out = np.empty_like(a)
+    run_tasks(_through_bfloat16, -(-a.size // CAST_CHUNK), a.size, a.reshape(-1).view(np.uint32),
+              out.reshape(-1).view(np.uint32))
+    return out
+
+
+_FLOAT32 = np.dtype(np.float32)
