@@ -22,17 +22,25 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 CAST_CHUNK = 1 << 16  # elements a task
 
 
+@njit(inline="always", cache=True)
+def _nearest(u):
+    """The bfloat16 bits nearest the float32 bits `u`: to nearest, ties to even; a NaN
+    the quiet NaN with its sign. Python-int constants: the arithmetic in int64 vectorises
+    (numba's uint32 constants made the loops ten times slower)."""
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return ((u >> 16) & 0x8000) | 0x7FC0
+    return (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+
+
 @njit(nogil=True, cache=True)
 def _to_bfloat16(first, end, src, dst):
-    # Python-int constants: the arithmetic in int64 vectorises (numba's uint32 constants
-    # made the loop ten times slower).
     lo, hi = first * CAST_CHUNK, min(src.size, end * CAST_CHUNK)
     s, d = src[lo:hi], dst[lo:hi]
-    for i in range(s.size):
+    for i in range(s.size):  # _nearest written out: as a call this loop ran 1.5x slower
         u = s[i]
-        if (u & 0x7FFFFFFF) > 0x7F800000:  # NaN: the quiet NaN, sign kept
+        if (u & 0x7FFFFFFF) > 0x7F800000:
             d[i] = ((u >> 16) & 0x8000) | 0x7FC0
-        else:  # to nearest, ties to even
+        else:
             d[i] = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
 
 
@@ -49,11 +57,7 @@ def _through_bfloat16(first, end, src, dst):
     lo, hi = first * CAST_CHUNK, min(src.size, end * CAST_CHUNK)
     s, d = src[lo:hi], dst[lo:hi]
     for i in range(s.size):
-        u = s[i]
-        if (u & 0x7FFFFFFF) > 0x7F800000:
-            d[i] = (((u >> 16) & 0x8000) | 0x7FC0) << 16
-        else:
-            d[i] = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16) << 16
+        d[i] = _nearest(s[i]) << 16
 
 
 def cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
