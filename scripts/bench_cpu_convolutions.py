@@ -11,8 +11,9 @@ timing PyTorch, ours and the product in turn for `--iters` calls): the forward, 
 backward (the input gradient where the network needs one, and the weight gradient).
 "product" is the forward's matrix product alone on windows copied before the clock
 starts (rows N*OH*OW, K = KH*KW*C, OC columns: numpy.matmul, one thread a task as the
-backend runs it); depthwise convolutions have none (a compiled loop, not a product).
-GFLOP/s counts 2 x multiply-adds. A network's line sums its convolutions. Where
+backend runs it); depthwise convolutions have none (a compiled loop, not a product). Both
+sides run `--threads` threads, ours on PyTorch's OpenMP team as the module's calls do
+(conv2d.cpu.threads). GFLOP/s counts 2 x multiply-adds. A network's line sums its convolutions. Where
 "product" alone is slower than PyTorch's whole forward, no im2col convolution on this
 BLAS can match PyTorch's there, whatever the overhead around it.
 """
@@ -110,7 +111,9 @@ def main() -> None:
     from conv2d.cpu import threads
 
     torch.set_num_threads(args.threads)
-    threads.use(args.threads)
+    # As the module runs it: PyTorch's count, on PyTorch's own OpenMP team (a pool of our
+    # own beside it competes with its spinning workers: no faster at 2 threads than at 1).
+    threads.use("torch")
     lines = ["| network | convolution | input (N, C, H, W) | GFLOP | torch fwd ms | ours fwd ms | product ms | "
              "torch fwd GFLOP/s | product GFLOP/s | torch bwd ms | ours bwd ms | fwd ours / torch | "
              "product / torch fwd | bwd ours / torch |",
