@@ -13,9 +13,9 @@ backward (the input gradient where the network needs one, and the weight gradien
 starts (rows N*OH*OW, K = KH*KW*C, OC columns: numpy.matmul, one thread a task as the
 backend runs it); depthwise convolutions have none (a compiled loop, not a product). Both
 sides run `--threads` threads, ours on PyTorch's OpenMP team as the module's calls do
-(conv2d.cpu.threads). GFLOP/s counts 2 x multiply-adds. A network's line sums its convolutions. Where
-"product" alone is slower than PyTorch's whole forward, no im2col convolution on this
-BLAS can match PyTorch's there, whatever the overhead around it.
+(conv2d.cpu.threads). GFLOP/s counts 2 x multiply-adds. A network's line sums its
+convolutions. Where "product" alone is slower than PyTorch's whole forward, no im2col
+convolution on this BLAS can match PyTorch's there, whatever the overhead around it.
 """
 
 from __future__ import annotations
