@@ -169,7 +169,20 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
     if _depthwise(groups, groups * w.shape[3]):
         (top, bottom), (left, right) = pads_of(padding)
         n = d_z.shape[0]
-        d_xp = np.zeros((n, input_hw[0] + top + bottom, input_hw[1] + left + right, groups), np.result_type(w, d_z))
+        dtype = np.result_type(w, d_z)
+        if (tuple(stride) == (1, 1) and w.shape[1:3] == (3, 3) and w.shape[0] == groups
+                and min(d_z.shape[1:3]) >= 16):
+            # Stride 1, 3x3: the forward's 3x3 loop over d_z padded by the dilated kernel,
+            # taps flipped; each input position gathers its nine products in registers.
+            # On MobileNetV2's 32x32 and 16x16 maps 1.2-1.7x faster than adding every
+            # output's taps back (the loop below); on 8x8 maps the padding's extra
+            # positions made it slower.
+            dh, dw = dilation
+            d_zp = pad(d_z, ((2 * dh, 2 * dh), (2 * dw, 2 * dw)))
+            d_xp = np.empty((n, input_hw[0] + top + bottom, input_hw[1] + left + right, groups), dtype)
+            kernels.depthwise_forward(d_zp, np.ascontiguousarray(_taps(w, dtype)[::-1, ::-1]), (1, 1), dilation, d_xp)
+            return unpad(d_xp, padding, mode, input_hw)
+        d_xp = np.zeros((n, input_hw[0] + top + bottom, input_hw[1] + left + right, groups), dtype)
         kernels.depthwise_backward_data(d_z, _taps(w, d_xp.dtype), stride, dilation, d_xp)
         return unpad(d_xp, padding, mode, input_hw)
     if groups > 1:
