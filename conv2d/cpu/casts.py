@@ -19,6 +19,7 @@ from numba import njit
 from conv2d.cpu.kernels import run_tasks
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_FLOAT32 = np.dtype(np.float32)
 CAST_CHUNK = 1 << 16  # elements a task
 
 
@@ -86,5 +87,3 @@ def through(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
               out.reshape(-1).view(np.uint32))
     return out
 
-
-_FLOAT32 = np.dtype(np.float32)

@@ -170,6 +170,7 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
         (top, bottom), (left, right) = pads_of(padding)
         n = d_z.shape[0]
         dtype = np.result_type(w, d_z)
+        shape = (n, input_hw[0] + top + bottom, input_hw[1] + left + right, groups)  # the padded input's
         if (tuple(stride) == (1, 1) and w.shape[1:3] == (3, 3) and w.shape[0] == groups
                 and min(d_z.shape[1:3]) >= 16):
             # Stride 1, 3x3: the forward's 3x3 loop over d_z padded by the dilated kernel,
@@ -179,11 +180,11 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
             # positions made it slower.
             dh, dw = dilation
             d_zp = pad(d_z, ((2 * dh, 2 * dh), (2 * dw, 2 * dw)))
-            d_xp = np.empty((n, input_hw[0] + top + bottom, input_hw[1] + left + right, groups), dtype)
+            d_xp = np.empty(shape, dtype)
             kernels.depthwise_forward(d_zp, np.ascontiguousarray(_taps(w, dtype)[::-1, ::-1]), (1, 1), dilation, d_xp)
             return unpad(d_xp, padding, mode, input_hw)
-        d_xp = np.zeros((n, input_hw[0] + top + bottom, input_hw[1] + left + right, groups), dtype)
-        kernels.depthwise_backward_data(d_z, _taps(w, d_xp.dtype), stride, dilation, d_xp)
+        d_xp = np.zeros(shape, dtype)
+        kernels.depthwise_backward_data(d_z, _taps(w, dtype), stride, dilation, d_xp)
         return unpad(d_xp, padding, mode, input_hw)
     if groups > 1:
         return by_group(groups, lambda wg, dg: conv_backward_data(wg, dg, input_hw, stride, padding, per_sample,

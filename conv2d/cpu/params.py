@@ -80,12 +80,10 @@ def _memory(a: Any) -> tuple:
     """What a view of the array object `a` depends on and an in-place change can alter
     (`a.shape = ...` on a NumPy array; `t.data = ...`, `t.set_()`, `t.resize_()` on a
     tensor)."""
-    if type(a) is np.ndarray:
+    if isinstance(a, np.ndarray):
         return a.shape, a.strides, a.dtype
     if library(a) == TORCH:  # torch.Size compares as the tuple it is
         return a.data_ptr(), a.shape, a.dtype, a.stride()
-    if isinstance(a, np.ndarray):
-        return a.shape, a.strides, a.dtype
     ptr = getattr(a, "data_ptr", None)
     return (ptr() if ptr is not None else None), tuple(getattr(a, "shape", ())), getattr(a, "dtype", None), \
         (a.stride() if ptr is not None else None)
