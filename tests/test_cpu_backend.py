@@ -14,7 +14,7 @@ pytest.importorskip("numba", reason="numba is not installed (the test extra brin
 
 from conftest import make_layer, random_inputs  # noqa: E402
 from conv2d import Conv2d, LayerSpec  # noqa: E402
-from conv2d.cpu import casts, kernels  # noqa: E402
+from conv2d.cpu import casts, conv_kernels, kernels  # noqa: E402
 from conv2d.reference import conv as reference_conv  # noqa: E402
 from conv2d.cpu import conv as cpu_conv  # noqa: E402
 
@@ -265,8 +265,8 @@ def test_the_3x3_depthwise_forward_gives_the_general_loops_bits(stride, dilation
     oh = (13 - 2 * dilation[0] - 1) // stride[0] + 1
     ow = (12 - 2 * dilation[1] - 1) // stride[1] + 1
     general, three = np.empty((3, oh, ow, 37), dtype), np.empty((3, oh, ow, 37), dtype)
-    kernels._depthwise_forward(0, 3 * oh, xp, w, stride, dilation, general)
-    kernels._depthwise_forward_3x3(0, 3 * oh, xp, w, stride, dilation, three)
+    conv_kernels._depthwise_forward(0, 3 * oh, xp, w, stride, dilation, general)
+    conv_kernels._depthwise_forward_3x3(0, 3 * oh, xp, w, stride, dilation, three)
     np.testing.assert_array_equal(three.view(np.uint8), general.view(np.uint8))  # the signs of zeros too
 
 

@@ -1,5 +1,6 @@
 """bfloat16 <-> float32 casts of the CPU backend, compiled (numba's CPU compiler): with
-conv2d.cpu.kernels, the modules of conv2d/cpu that import numba.
+conv2d.cpu.kernels and conv2d.cpu.conv_kernels, the modules of conv2d/cpu that import
+numba.
 
 ml_dtypes' casts run ~10x slower than a copy (one element at a time through its ufunc
 loop): a bfloat16 network's step spent a third of its time in them. These are the same

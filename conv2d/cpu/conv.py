@@ -1,6 +1,6 @@
 """Convolution forward, backward-data, backward-filter and the bias gradient of the CPU
 backend: BLAS matrix products (im2col) for dense and grouped convolutions, numba loops
-(conv2d.cpu.kernels) for depthwise ones and the bias gradient. The functions and their
+(conv2d.cpu.conv_kernels) for depthwise ones and the bias gradient. The functions and their
 names are the reference's (conv2d/reference/conv.py), which they are tested against.
 
 All arrays NHWC and C-contiguous, in one float dtype (the caller's compute dtype):
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conv2d.cpu import kernels
+from conv2d.cpu import conv_kernels, kernels
 # The reference's helpers where nothing is faster than its plain form: the padded input's
 # windows, the adjoint of padding, the split by channel groups.
 from conv2d.reference.conv import NUMPY_MODES, by_group, pads_of, unpad, windows
@@ -98,7 +98,7 @@ def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
         n, hp, wp, _ = xp.shape
         oh, ow = _output_size((hp, wp), w.shape[1:3], stride, dilation)
         y = np.empty((n, oh, ow, w.shape[0]), dtype=np.result_type(x, w))
-        kernels.depthwise_forward(xp, _taps(w, y.dtype), stride, dilation, y)
+        conv_kernels.depthwise_forward(xp, _taps(w, y.dtype), stride, dilation, y)
         return y
     if groups > 1:
         return by_group(groups, lambda xg, wg: conv_forward(xg, wg, stride, padding, per_sample, dilation,
@@ -128,7 +128,7 @@ def conv_backward_filter(x: np.ndarray, d_z: np.ndarray, kernel: tuple[int, int]
     """d_w[oc, kh, kw, c] = sum_{n, oh, ow} d_z[n, oh, ow, oc] * xp[n, oh*SH + kh, ow*SW + kw, c]
     (taps kh*DH, kw*DW with dilation; within each channel group)."""
     if _depthwise(groups, x.shape[3]):
-        d_w = kernels.depthwise_backward_filter(pad(x, padding, mode), d_z, tuple(kernel), stride, dilation)
+        d_w = conv_kernels.depthwise_backward_filter(pad(x, padding, mode), d_z, tuple(kernel), stride, dilation)
         return np.ascontiguousarray(np.moveaxis(d_w, -1, 0))[..., None].astype(np.result_type(x, d_z), copy=False)
     if groups > 1:
         # Each group's (OC / groups, KH, KW, C / groups) joined along OC: d_w's first axis.
@@ -160,7 +160,7 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
 
     One matrix product a block of samples, d_z (rows, OC) @ w (OC, KH*KW*C), gives every
     output position's taps, which a compiled loop adds into the padded gradient
-    (conv2d.cpu.kernels.add_windows, the adjoint of the forward's windows). A product a
+    (conv2d.cpu.conv_kernels.add_windows, the adjoint of the forward's windows). A product a
     tap (K = OC) with NumPy's strided adds was measured 1.3-1.5x slower on the IMPALA and
     Nature-DQN shapes. A 1x1 stride-1 convolution without padding is the product alone.
     Blocks of samples keep the taps in cache; `per_sample`: blocks of one sample, as in
@@ -181,10 +181,10 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
             dh, dw = dilation
             d_zp = pad(d_z, ((2 * dh, 2 * dh), (2 * dw, 2 * dw)))
             d_xp = np.empty(shape, dtype)
-            kernels.depthwise_forward(d_zp, np.ascontiguousarray(_taps(w, dtype)[::-1, ::-1]), (1, 1), dilation, d_xp)
+            conv_kernels.depthwise_forward(d_zp, np.ascontiguousarray(_taps(w, dtype)[::-1, ::-1]), (1, 1), dilation, d_xp)
             return unpad(d_xp, padding, mode, input_hw)
         d_xp = np.zeros(shape, dtype)
-        kernels.depthwise_backward_data(d_z, _taps(w, dtype), stride, dilation, d_xp)
+        conv_kernels.depthwise_backward_data(d_z, _taps(w, dtype), stride, dilation, d_xp)
         return unpad(d_xp, padding, mode, input_hw)
     if groups > 1:
         return by_group(groups, lambda wg, dg: conv_backward_data(wg, dg, input_hw, stride, padding, per_sample,
@@ -209,7 +209,7 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
     def blocks(first: int, end: int) -> None:
         for b in range(first * step, min(n, end * step), step):
             taps = (d_z[b:b + step].reshape(-1, oc) @ w_all).reshape(-1, oh, ow, kh, kw, c)
-            kernels.add_windows(taps, stride, dilation, d_xp[b:b + step])
+            conv_kernels.add_windows(taps, stride, dilation, d_xp[b:b + step])
     kernels.run_tasks(blocks, -(-n // step), d_z.size * kh * kw * c)
     return unpad(d_xp, padding, mode, input_hw)
 

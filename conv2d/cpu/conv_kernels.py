@@ -1,0 +1,187 @@
+"""The CPU backend's compiled convolution loops (numba's CPU compiler, `@njit`): the dense
+convolutions' input gradient (col2im) and the depthwise convolutions, which are memory-bound
+loops, one product of a few taps an output, where a matrix product a channel would cost more
+in Python than in arithmetic. Threads and determinism as conv2d.cpu.kernels says: each
+kernel a loop over its tasks (`run_tasks`), sums in a fixed order whatever the threads.
+
+Arrays NHWC and C-contiguous in one float dtype (the compute dtype); depthwise taps
+(KH, KW, OC); padded inputs `xp` (N, Hp, Wp, C).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from conv2d.cpu.kernels import in_order, run_tasks
+
+
+# Dense convolutions' input gradient --------------------------------------------------------
+@njit(nogil=True, cache=True)
+def add_windows(g, stride, dilation, d_xp):
+    """d_xp (N, Hp, Wp, C) += each output position's taps g (N, OH, OW, KH, KW, C): the
+    adjoint of the forward's windows (col2im). Each sample's positions in order, taps in
+    (kh, kw) order, so an element's sum has one order whatever the blocks or threads."""
+    n, oh, ow, kh, kw, c = g.shape
+    sh, sw = stride
+    dh, dw = dilation
+    for i in range(n):
+        for r in range(oh):
+            for col in range(ow):
+                for a in range(kh):
+                    out_row = d_xp[i, r * sh + a * dh]
+                    for b in range(kw):
+                        out = out_row[col * sw + b * dw]
+                        tap = g[i, r, col, a, b]
+                        for k in range(c):
+                            out[k] += tap[k]
+
+
+# Depthwise convolutions (groups = C, each input channel makes `mult` output channels) -----
+# Output channel o = c * mult + j reads input channel c. Sums run in the arrays' dtype
+# (the compute dtype), the filter gradient's chunk sums added in float64.
+DEPTHWISE_CHUNK_ROWS = 8  # output rows (of one sample) a chunk of the filter gradient
+
+
+@njit(nogil=True, cache=True)
+def _depthwise_forward(first, end, xp, w, stride, dilation, y):
+    n, oh, ow, oc = y.shape
+    kh, kw = w.shape[0], w.shape[1]
+    c = xp.shape[3]
+    mult = oc // c
+    sh, sw = stride
+    dh, dw = dilation
+    acc = np.empty(oc, y.dtype)
+    for t in range(first, end):
+        i, r = t // oh, t % oh
+        for col in range(ow):
+            acc[:] = 0
+            for a in range(kh):
+                for b in range(kw):
+                    row = xp[i, r * sh + a * dh, col * sw + b * dw]
+                    tap = w[a, b]
+                    if mult == 1:
+                        for o in range(oc):
+                            acc[o] += row[o] * tap[o]
+                    else:
+                        for ch in range(c):
+                            for j in range(mult):
+                                acc[ch * mult + j] += row[ch] * tap[ch * mult + j]
+            y[i, r, col] = acc
+
+
+@njit(nogil=True, cache=True)
+def _depthwise_forward_3x3(first, end, xp, w, stride, dilation, y):
+    # _depthwise_forward for a 3x3 kernel and one output channel an input channel: the
+    # nine taps of a pixel's channel summed in registers in the same order (0 + tap (0,0)
+    # + (0,1) + ... + (2,2), in y's dtype), so the same bits; the general loop keeps its
+    # sums in an array and ran 2-3x slower on MobileNetV2's shapes.
+    n, oh, ow, c = y.shape
+    sh, sw = stride
+    dh, dw = dilation
+    zero = np.zeros(1, y.dtype)[0]
+    w00, w01, w02 = w[0, 0], w[0, 1], w[0, 2]
+    w10, w11, w12 = w[1, 0], w[1, 1], w[1, 2]
+    w20, w21, w22 = w[2, 0], w[2, 1], w[2, 2]
+    for t in range(first, end):
+        i, r = t // oh, t % oh
+        x0, x1, x2 = xp[i, r * sh], xp[i, r * sh + dh], xp[i, r * sh + 2 * dh]
+        out_row = y[i, r]
+        for col in range(ow):
+            q = col * sw
+            a0, a1, a2 = x0[q], x0[q + dw], x0[q + 2 * dw]
+            b0, b1, b2 = x1[q], x1[q + dw], x1[q + 2 * dw]
+            c0, c1, c2 = x2[q], x2[q + dw], x2[q + 2 * dw]
+            out = out_row[col]
+            for k in range(c):
+                s = zero + a0[k] * w00[k]
+                s += a1[k] * w01[k]
+                s += a2[k] * w02[k]
+                s += b0[k] * w10[k]
+                s += b1[k] * w11[k]
+                s += b2[k] * w12[k]
+                s += c0[k] * w20[k]
+                s += c1[k] * w21[k]
+                s += c2[k] * w22[k]
+                out[k] = s
+
+
+def depthwise_forward(xp, w, stride, dilation, y) -> None:
+    """y[n, oh, ow, o] = sum_{kh, kw} xp[n, oh*SH + kh*DH, ow*SW + kw*DW, o // mult] * w[kh, kw, o],
+    xp (N, Hp, Wp, C) padded, w (KH, KW, OC), y (N, OH, OW, OC), one dtype; one task an output row."""
+    three = w.shape[0] == w.shape[1] == 3 and w.shape[2] == xp.shape[3]
+    run_tasks(_depthwise_forward_3x3 if three else _depthwise_forward, y.shape[0] * y.shape[1], xp.size + y.size,
+              xp, w, stride, dilation, y)
+
+
+@njit(nogil=True, cache=True)
+def _depthwise_backward_data(first, end, d_z, w, stride, dilation, d_xp):
+    n, oh, ow, oc = d_z.shape
+    kh, kw = w.shape[0], w.shape[1]
+    c = d_xp.shape[3]
+    mult = oc // c
+    sh, sw = stride
+    dh, dw = dilation
+    for i in range(first, end):
+        for r in range(oh):
+            for col in range(ow):
+                g = d_z[i, r, col]
+                for a in range(kh):
+                    for b in range(kw):
+                        out = d_xp[i, r * sh + a * dh, col * sw + b * dw]
+                        tap = w[a, b]
+                        if mult == 1:
+                            for o in range(oc):
+                                out[o] += g[o] * tap[o]
+                        else:
+                            for ch in range(c):
+                                for j in range(mult):
+                                    out[ch] += g[ch * mult + j] * tap[ch * mult + j]
+
+
+def depthwise_backward_data(d_z, w, stride, dilation, d_xp) -> None:
+    """d_xp (N, Hp, Wp, C), zeroed, += each output position's taps: one task a sample, its
+    positions in order."""
+    run_tasks(_depthwise_backward_data, d_z.shape[0], d_z.size + d_xp.size, d_z, w, stride, dilation, d_xp)
+
+
+@njit(nogil=True, cache=True)
+def _depthwise_backward_filter(first, end, xp, d_z, stride, dilation, part):
+    n, oh, ow, oc = d_z.shape
+    kh, kw = part.shape[1], part.shape[2]
+    c = xp.shape[3]
+    mult = oc // c
+    sh, sw = stride
+    dh, dw = dilation
+    per_sample = (oh + DEPTHWISE_CHUNK_ROWS - 1) // DEPTHWISE_CHUNK_ROWS
+    acc = np.empty(oc, d_z.dtype)
+    for t in range(first, end):
+        i, k = t // per_sample, t % per_sample
+        for a in range(kh):
+            for b in range(kw):
+                acc[:] = 0
+                for r in range(k * DEPTHWISE_CHUNK_ROWS, min(oh, (k + 1) * DEPTHWISE_CHUNK_ROWS)):
+                    for col in range(ow):
+                        g = d_z[i, r, col]
+                        row = xp[i, r * sh + a * dh, col * sw + b * dw]
+                        if mult == 1:
+                            for o in range(oc):
+                                acc[o] += g[o] * row[o]
+                        else:
+                            for ch in range(c):
+                                for j in range(mult):
+                                    acc[ch * mult + j] += g[ch * mult + j] * row[ch]
+                for o in range(oc):
+                    part[t, a, b, o] = acc[o]
+
+
+def depthwise_backward_filter(xp, d_z, kernel, stride, dilation) -> np.ndarray:
+    """d_w (KH, KW, OC) float64: sum over n, oh, ow of d_z[n, oh, ow, o] * the tap's input;
+    each chunk of DEPTHWISE_CHUNK_ROWS output rows of one sample summed a tap at a time in
+    the arrays' dtype (the tap's sums stay in cache: 4x faster than all taps a pixel), the
+    chunks' sums added in order in float64."""
+    n, oh = d_z.shape[:2]
+    tasks = n * ((oh + DEPTHWISE_CHUNK_ROWS - 1) // DEPTHWISE_CHUNK_ROWS)
+    part = np.zeros((tasks, kernel[0], kernel[1], d_z.shape[3]))
+    run_tasks(_depthwise_backward_filter, tasks, xp.size + d_z.size, xp, d_z, stride, dilation, part)
+    return in_order(part)
