@@ -178,6 +178,19 @@ class Capturing(Protocol):
         ...
 
 
+@runtime_checkable
+class Preparing(Protocol):
+    """The function of a backend that declares `prepares_evaluate` (conv2d.torch's calls
+    without gradients on the host: acting)."""
+
+    def prepare_evaluate(self, params: Mapping[str, Any], running: Mapping[str, Any] | None,
+                         x_shape: tuple[int, int, int, int]) -> Callable[[Any], Any]:
+        """`evaluate` of inputs of shape `x_shape` (N, H, W, C) over `params` and `running`
+        as a function of x alone, with every check made once, here: the function checks
+        nothing. The caller keeps the arrays' memory (their values may change)."""
+        ...
+
+
 # What a backend declares ----------------------------------------------------------------
 class Backend:
     """A backend's declaration: the attributes below, with these defaults, overridden by
@@ -193,6 +206,7 @@ class Backend:
     captures_graphs: bool = False  # freeze and graph capture (`Capturing`)
     fills_outputs: bool = False  # writes into the caller's arrays (`Preallocating`)
     checks_repeats: bool = False  # `conv2d check` runs each case twice and compares the bits
+    prepares_evaluate: bool = False  # an evaluate checked once for many calls (`Preparing`)
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run here (a missing GPU or library), or None."""

@@ -40,7 +40,7 @@ def test_the_contract_names_every_function_a_layer_and_the_optimizers_call():
 
 
 @pytest.mark.parametrize("name, protocol", [("reference", "Functions"), ("cpu", "Functions"), ("cuda", "Functions"),
-                                            ("cuda", "Preallocating")])
+                                            ("cuda", "Preallocating"), ("cpu", "Preparing")])
 def test_a_backend_provides_each_contract_function_with_its_parameters(name, protocol):
     declared = getattr(backend, protocol)
     cls = _backend_class(name)
@@ -65,7 +65,7 @@ def _members(protocol):
 
 
 CAPABILITY_PROTOCOLS = {"has_stream": backend.Streamed, "captures_graphs": backend.Capturing,
-                        "fills_outputs": backend.Preallocating}
+                        "fills_outputs": backend.Preallocating, "prepares_evaluate": backend.Preparing}
 
 
 @pytest.mark.parametrize("name", backend.backend_names())

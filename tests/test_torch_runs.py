@@ -100,6 +100,35 @@ def test_a_run_evaluates_bitwise_as_its_layers_in_turn(place, grad):
             assert torch.equal(run(x), seq(x))
 
 
+@pytest.mark.parametrize("called", ["as_a_run", "layer_by_layer"])
+@pytest.mark.parametrize("place", PLACES)
+def test_acting_follows_parameters_stepped_in_place_replaced_and_loaded(place, called):
+    """A call without gradients in eval (acting: on the cpu backend its prepared evaluates,
+    made once for the parameters' memory) gives bitwise the y of the same call with
+    gradients, after an optimizer's step (values changed in place), `.data = ...` (new
+    memory), running statistics changed in place and load_state_dict."""
+    seq, run = pair(place, torch.float32)
+    model = run if called == "as_a_run" else seq
+    model.eval()
+    x = sample(place, torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def acts_as_it_trains():
+        with torch.no_grad():
+            acted = model(x)
+        assert torch.equal(acted, model(x.clone().requires_grad_(True)).detach())
+    acts_as_it_trains()
+    model(x.clone().requires_grad_(True)).square().sum().backward()
+    optimizer.step()
+    acts_as_it_trains()
+    model[0].conv.weight.data = model[0].conv.weight.data * 0.5  # new memory, channels_last kept
+    acts_as_it_trains()
+    model[1].norm.running_var.mul_(2.0)
+    acts_as_it_trains()
+    model.load_state_dict(pair(place, torch.float32)[0].state_dict())
+    acts_as_it_trains()
+
+
 @pytest.mark.parametrize("place", PLACES)
 def test_a_run_in_training_without_gradients_updates_the_statistics_as_its_layers(place):
     seq, run = pair(place, torch.float32)

@@ -16,6 +16,8 @@ cost more in Python than in arithmetic.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from conv2d.cpu import conv_kernels, kernels
@@ -53,6 +55,32 @@ def _windows(xp: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int],
                       (s_n, sh * s_h, sw * s_w, dh * s_h, dw * s_w, s_c))
     view.flags.writeable = False
     return view
+
+
+# Up to this many values the windows of one block are copied by conv_kernels.im2col (less
+# setup), above it by NumPy (a faster copy): conv_kernels.im2col's docstring has the numbers.
+SMALL_COLUMNS = 8192
+
+
+def _columns(x: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple,
+             dilation: tuple[int, int], mode: str) -> np.ndarray:
+    """The windows of x (N, H, W, C) padded as `mode` says, as one matrix (N*OH*OW, KH*KW*C)
+    (im2col), a copy."""
+    (kh, kw), c = kernel, x.shape[3]
+    padded = _padded_hw(x.shape, padding)
+    oh, ow = _output_size(padded, kernel, stride, dilation)
+    rows, width = x.shape[0] * oh * ow, kh * kw * c
+    if mode == "zeros" and rows * width <= SMALL_COLUMNS and x.flags.c_contiguous:
+        (top, _), (left, _) = pads_of(padding)
+        cols = np.empty((rows, width), x.dtype)
+        conv_kernels.im2col(x, top, left, *stride, *dilation, kh, kw, oh, ow, cols)
+        return cols
+    return _windows(pad(x, padding, mode), kernel, stride, dilation).reshape(rows, width)
+
+
+def _padded_hw(shape: tuple, padding: tuple) -> tuple[int, int]:
+    (top, bottom), (left, right) = pads_of(padding)
+    return shape[1] + top + bottom, shape[2] + left + right
 
 
 def _depthwise(groups: int, channels: int) -> bool:
@@ -104,14 +132,15 @@ def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
         return by_group(groups, lambda xg, wg: conv_forward(xg, wg, stride, padding, per_sample, dilation,
                                                              mode=mode), x, w, 3, 0)
     oc, kh, kw, c = w.shape
-    cols = _windows(pad(x, padding, mode), (kh, kw), stride, dilation)
-    n, oh, ow = cols.shape[:3]
+    n = x.shape[0]
+    oh, ow = _output_size(_padded_hw(x.shape, padding), (kh, kw), stride, dilation)
     w_t = w.reshape(oc, kh * kw * c).T
     y = np.empty((n, oh, ow, oc), dtype=np.result_type(x, w))
     step = 1 if per_sample else _block_samples(oh * ow * kh * kw * c * x.itemsize)
     if step >= n:  # one block (an acting call): the product alone, no tasks
-        np.matmul(cols.reshape(-1, kh * kw * c), w_t, out=y.reshape(-1, oc))
+        np.matmul(_columns(x, (kh, kw), stride, padding, dilation, mode), w_t, out=y.reshape(-1, oc))
         return y
+    cols = _windows(pad(x, padding, mode), (kh, kw), stride, dilation)
 
     def blocks(first: int, end: int) -> None:
         for i in range(first * step, min(n, end * step), step):
@@ -120,6 +149,34 @@ def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
             np.matmul(block, w_t, out=y[i:i + step].reshape(-1, oc))
     kernels.run_tasks(blocks, -(-n // step), y.size * kh * kw * c)
     return y
+
+
+def forward_function(x_shape: tuple[int, int, int, int], w: np.ndarray, stride: tuple[int, int], padding: tuple,
+                     per_sample: bool = False, dilation: tuple[int, int] = (1, 1), groups: int = 1,
+                     mode: str = "zeros") -> Callable[[np.ndarray], np.ndarray]:
+    """conv_forward(x, w, ...) of C-contiguous x of shape `x_shape` (N, H, W, C) and of
+    dtype w's, as a function of x alone, bitwise conv_forward's: what depends on the
+    shapes alone is worked out here, once (for the calls that prepare an evaluate, where
+    it is a third of a small layer's time). `w` is read at each call."""
+    oc, kh, kw, c = w.shape
+    n = x_shape[0]
+    oh, ow = _output_size(_padded_hw(x_shape, padding), (kh, kw), stride, dilation)
+    rows, width = n * oh * ow, kh * kw * c
+    step = 1 if per_sample else _block_samples(oh * ow * width * w.itemsize)
+    if (_depthwise(groups, x_shape[3]) or groups > 1 or step < n or mode != "zeros"
+            or rows * width > SMALL_COLUMNS):
+        return lambda x: conv_forward(x, w, stride, padding, per_sample, dilation, groups, mode)
+    (top, _), (left, _) = pads_of(padding)
+    w_t = w.reshape(oc, width).T
+    (sh, sw), (dh, dw) = stride, dilation
+
+    def forward(x: np.ndarray) -> np.ndarray:
+        cols = np.empty((rows, width), w.dtype)
+        conv_kernels.im2col(x, top, left, sh, sw, dh, dw, kh, kw, oh, ow, cols)
+        y = np.empty((rows, oc), w.dtype)
+        np.matmul(cols, w_t, out=y)
+        return y.reshape(n, oh, ow, oc)
+    return forward
 
 
 def conv_backward_filter(x: np.ndarray, d_z: np.ndarray, kernel: tuple[int, int],

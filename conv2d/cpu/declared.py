@@ -1,7 +1,8 @@
 """What the CPU backend declares (conv2d.backend.Backend), known without importing numba:
 NumPy arrays (or torch CPU tensors) on the host, every dtype, one option (`threads`), no
-stream, no graphs; forward keeps a view of the caller's x. It runs where numba's CPU
-compiler is installed (the `cpu` extra; `torch` and `test` bring it too)."""
+stream, no graphs; forward keeps a view of the caller's x; an evaluate checked once for
+many calls (`prepare_evaluate`). It runs where numba's CPU compiler is installed (the `cpu`
+extra; `torch` and `test` bring it too)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ class CpuBackend(Backend):
     name = "cpu"
     functions = "conv2d.cpu.functional:Functions"
     options = ("threads",)
+    prepares_evaluate = True
 
     def unavailable(self) -> str | None:
         import importlib.util

@@ -20,7 +20,7 @@ casts.through, NumPy's bits in a compiled pass). Arrays: as the reference's.
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -111,24 +111,76 @@ def forward(spec: LayerSpec, params: Mapping[str, Any], x: Any, training: bool,
     if not isinstance(training, bool):
         raise TypeError(f"training: expected a bool, got {training!r}")
     x, lib, call = check_input(spec, "x", x)
+    params, running = _checked(spec, params, running, training, cache)
+    pool.use(threads)
+    y, saved = _forward(call, params, running, x, training, lib)
+    return to_library(y, lib), saved
+
+
+def _checked(spec: LayerSpec, params: Mapping[str, Any], running: Mapping[str, Any] | None, training: bool,
+             cache: dict | None) -> tuple[dict, dict | None]:
+    """The NumPy views of params and running after the forward's checks."""
     need_running = spec.normalization is Normalization.BATCH_NORM and not spec.batch_statistics(training)
     params, running = checked.check_params(spec, params, running, need_running, cache)
     if running is not None and training and spec.normalization is Normalization.BATCH_NORM:
         check_running_writable(running)
-    pool.use(threads)
-    ct, st = compute_dtype(spec.dtype), storage_dtype(spec.dtype)
+    return params, running
+
+
+def _forward(call: LayerSpec, params: dict, running: dict | None, x: np.ndarray, training: bool,
+             lib: str = "numpy") -> tuple[np.ndarray, Saved]:
+    """(y, saved) of checked arrays: `call` the spec at x's (N, H, W), y in the storage dtype."""
+    ct, st = compute_dtype(call.dtype), storage_dtype(call.dtype)
     pre, z = _pre_activations(call, params, x)
     mean = inv_std = None
     from_batch = False
-    if spec.normalization is not Normalization.NONE:
+    if call.normalization is not Normalization.NONE:
         mean, inv_std, from_batch = _statistics(call, z, training, running)
-    gamma, beta = _norm_parameters(spec, params, ct)
-    code, p = _activation(spec)
+    gamma, beta = _norm_parameters(call, params, ct)
+    code, p = _activation(call)
     y = np.empty(pre.shape, ct)
     none = np.zeros(1, ct)  # the statistics' stand-in without a norm
-    kernels.forward_epilogue(_pixels(z), _MODES[spec.normalization], none if mean is None else mean,
+    kernels.forward_epilogue(_pixels(z), _MODES[call.normalization], none if mean is None else mean,
                              none if inv_std is None else inv_std, gamma, beta, code, p, _pixels(y))
-    return to_library(casts.cast(y, st), lib), Saved(call, x, pre, mean, inv_std, from_batch, lib)
+    return casts.cast(y, st), Saved(call, x, pre, mean, inv_std, from_batch, lib)
+
+
+@functools.lru_cache(maxsize=256)
+def _fused_evaluate(spec: LayerSpec) -> bool:
+    """Whether an evaluate of `spec` is one pass after the convolution (evaluate_epilogue):
+    no rounding to a storage dtype between z and the norm, and no statistics of its own
+    to compute (no norm, or batch norm's running statistics)."""
+    if compute_dtype(spec.dtype) != storage_dtype(spec.dtype):
+        return False
+    return spec.normalization is Normalization.NONE or (spec.normalization is Normalization.BATCH_NORM
+                                                        and not spec.batch_statistics(False))
+
+
+def _evaluator(call: LayerSpec, params: dict, running: dict | None) -> Callable[[np.ndarray], np.ndarray]:
+    """The evaluate of checked arrays x (N, H, W, C) of the shape `call` was made at: y
+    (N, OH, OW, OC) in the storage dtype, a new array, bitwise forward(training=False)'s y.
+    What depends on the spec and on the arrays' memory alone is looked up here, once;
+    the parameters' and statistics' values are read at each call."""
+    if not _fused_evaluate(call):
+        return lambda x: _forward(call, params, running, x, False)[0]
+    ct = compute_dtype(call.dtype)
+    weights = params["weights"]
+    bias = params["bias"] if call.bias else np.zeros(0, ct)
+    gamma, beta = _norm_parameters(call, params, ct)
+    mode = _MODES[call.normalization]
+    none = np.zeros(1, ct)
+    mean, var = (running["running_mean"], running["running_var"]) if mode == kernels.BATCH_NORM else (none, none)
+    code, p = _activation(call)
+    eps = float(call.bn_epsilon)
+    convolve = conv.forward_function(call.input_shape, weights, call.stride, call.pads, call.batch_invariant,
+                                     call.dilation, call.groups, call.padding_mode)
+
+    def evaluate(x: np.ndarray) -> np.ndarray:
+        z = convolve(x)
+        y = np.empty(z.shape, ct)
+        kernels.evaluate_epilogue(_pixels(z), bias, mode, mean, var, eps, gamma, beta, code, p, _pixels(y))
+        return y
+    return evaluate
 
 
 def grad_pre_activations(spec: LayerSpec, params: dict, saved: Saved, d_y: np.ndarray
@@ -205,6 +257,7 @@ class Functions(reference.Functions):
         super().__init__(spec)
         self.threads = pool.check(threads)
         self._checked: dict = {}  # conv2d.cpu.params' views of the caller's dicts
+        self._evaluators: dict = {}  # the call's spec -> (the views, their `_evaluator`)
 
     def forward(self, params: Mapping[str, Any], x: Any, training: bool,
                 running: Mapping[str, Any] | None = None) -> tuple[Any, Saved]:
@@ -212,7 +265,32 @@ class Functions(reference.Functions):
 
     def evaluate(self, params: Mapping[str, Any], x: Any, running: Mapping[str, Any] | None = None) -> Any:
         """forward(training=False)'s y, keeping nothing."""
-        return forward(self.spec, params, x, False, running, self._checked, self.threads)[0]
+        x, lib, call = check_input(self.spec, "x", x)
+        params, running = _checked(self.spec, params, running, False, self._checked)
+        pool.use(self.threads)
+        found = self._evaluators.get(call)
+        if found is None or found[0] is not params or found[1] is not running:
+            if len(self._evaluators) >= 8:
+                self._evaluators.clear()
+            found = self._evaluators[call] = (params, running, _evaluator(call, params, running))
+        return to_library(found[2](x), lib)
+
+    def prepare_evaluate(self, params: Mapping[str, Any], running: Mapping[str, Any] | None,
+                         x_shape: tuple[int, int, int, int]) -> Callable[[np.ndarray], np.ndarray]:
+        """`evaluate` of NumPy arrays x of shape `x_shape` (N, H, W, C), C-contiguous, of
+        the spec's storage dtype, over `params` and `running`: every check made here, once,
+        and none by the function returned, which gives y (N, OH, OW, OC), a new NumPy
+        array, bitwise `evaluate`'s. The caller keeps the arrays' memory (values may
+        change between calls, as an optimizer's steps change them; the memory may not)."""
+        x = np.empty(x_shape, storage_dtype(self.spec.dtype))
+        _, _, call = check_input(self.spec, "x", x)
+        params, running = _checked(self.spec, params, running, False, None)
+        run, threads = _evaluator(call, params, running), self.threads
+
+        def evaluate(x: np.ndarray) -> np.ndarray:
+            pool.use(threads)
+            return run(x)
+        return evaluate
 
     def backward(self, params: Mapping[str, Any], saved: Saved, d_y: Any, want_params: bool = True,
                  want_input: bool = True, accumulate: Mapping[str, Any] | None = None) -> tuple[Any, Any]:

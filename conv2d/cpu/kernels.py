@@ -319,6 +319,38 @@ def forward_epilogue(z, mode, mean, inv_std, gamma, beta, code, p, y) -> None:
 
 
 @njit(nogil=True, cache=True)
+def _evaluate_epilogue(first, end, z, bias, mode, running_mean, running_var, eps, gamma, beta, code, p, y):
+    rows, c = z.shape
+    mean = np.empty(c, z.dtype)
+    inv_std = np.empty(c, z.dtype)
+    if mode == BATCH_NORM:  # the running statistics as _statistics gives them: inv_std in float64, then rounded
+        for j in range(c):
+            mean[j] = running_mean[j]
+            inv_std[j] = 1.0 / math.sqrt(np.float64(running_var[j]) + eps)
+    x_hat = np.empty((SPAN, c), z.dtype)
+    a = np.empty((SPAN, c), z.dtype)
+    for t0 in range(first * SPAN, min(rows, end * SPAN), SPAN):
+        t1 = min(rows, t0 + SPAN)
+        if bias.shape[0]:
+            for t in range(t0, t1):
+                for j in range(c):
+                    z[t, j] += bias[j]
+        _norm_rows(mode, z, t0, t1, 1, mean, inv_std, gamma, beta, x_hat, a)
+        _activate_rows(code, a, p, y, t0, t1)
+
+
+def evaluate_epilogue(z, bias, mode, running_mean, running_var, eps, gamma, beta, code, p, y) -> None:
+    """y = f(gamma * (z + bias - mean) * inv_std + beta), mean and inv_std =
+    1 / sqrt(running_var + eps) the running statistics' (BATCH_NORM), or f(z + bias)
+    (NO_NORM): forward_epilogue's values for an evaluate, with the bias and the statistics
+    in the same pass (adding the bias into z, which is the caller's scratch). z, y (N, P,
+    C) of one dtype (the storage dtype is the compute dtype); bias (C,) or (0,)."""
+    rows = z.shape[0] * z.shape[1]
+    run_tasks(_evaluate_epilogue, (rows + SPAN - 1) // SPAN, z.size, _rows(z), bias, mode, running_mean,
+              running_var, eps, gamma, beta, code, p, _rows(y))
+
+
+@njit(nogil=True, cache=True)
 def _backward_sums(first, end, z, d_y, pixels, mode, mean, inv_std, gamma, beta, code, p, by_channel, by_sample):
     c = z.shape[1]
     chunks = (pixels + CHUNK_ROWS - 1) // CHUNK_ROWS

@@ -91,7 +91,7 @@ def check_params(spec: LayerSpec, params: Mapping[str, Any], running: Mapping[st
             # must not reshape a view that check_params keeps.
             views[k] = a.view() if a is arrays[k] else a
     run = {k: views.pop(k) for k in RUNNING if k in views} if running is not None else None
-    return views, run
+    return views, run or None  # {} for a layout without running statistics: none, as None says
 
 
 def _pre_activations(spec: LayerSpec, params: dict, x: np.ndarray) -> np.ndarray:

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from conv2d.arrays import to_library
+from conv2d.arrays import host_view, to_library
 from conv2d.torch.graphs import CallGraphs
 from conv2d.torch.calls import detached, first_order_only, call_context, param_dict, saved_outputs
 
@@ -44,8 +44,9 @@ class Call(NamedTuple):
     objects while the tensors are), training, whether x is NCHW-shaped (channels_last
     memory) rather than NHWC, whether the norm uses the batch's statistics, and for CUDA
     graph replays the functions' `CallGraphs` (None: always launch) with the addresses of
-    the parameters and running statistics (part of every call's key), and whether a call
-    without a gradient runs the backend's `evaluate` (`run`)."""
+    the parameters and running statistics (part of every call's key), whether a call
+    without a gradient runs the backend's `evaluate` (`run`), and, for a host backend that
+    prepares its evaluates, the cached views that hold them."""
 
     fn: Any
     params: dict
@@ -56,6 +57,7 @@ class Call(NamedTuple):
     graphs: Optional[CallGraphs] = None
     ptrs: tuple = ()
     evaluates: bool = False  # without a gradient, the backend's evaluate (no statistics to update)
+    views: Optional["ParameterViews"] = None  # whose prepared evaluates a host call runs (conv2d.backend.Preparing)
 
 
 def parameter_dicts(weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor],
@@ -80,6 +82,7 @@ class ParameterViews:
         self._ptrs: tuple = ()
         self._ids: tuple = ()
         self._dicts: tuple[dict, Optional[dict]] = ({}, None)
+        self._prepared: dict = {}  # (functions, x's shape) -> the functions' prepared evaluate over _dicts
 
     def get(self, weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor], beta: Optional[Tensor],
             running_mean: Optional[Tensor], running_var: Optional[Tensor]) -> tuple[dict, Optional[dict], tuple]:
@@ -89,7 +92,27 @@ class ParameterViews:
         if ptrs != self._ptrs or tuple(map(id, tensors)) != self._ids:
             self._tensors, self._ptrs, self._dicts = tensors, ptrs, parameter_dicts(*tensors)
             self._ids = tuple(map(id, tensors))  # the objects are kept (self._tensors): their ids stay theirs
+            self._prepared = {}
         return (*self._dicts, ptrs)
+
+    def evaluate(self, fn: Any, x: Tensor) -> Tensor:
+        """fn.evaluate(params, x, running) over the views, for a host x (N, H, W, C)
+        (contiguous, the parameters' dtype): the backend's prepared evaluate
+        (conv2d.backend.Preparing) for x's shape, made on the first call of each shape
+        and kept while the views are these (the module's own dicts, which nothing else
+        changes), so a call checks nothing again."""
+        a, _ = host_view("x", x)
+        return to_library(self.prepared(fn, a.shape)(a), "torch")
+
+    def prepared(self, fn: Any, x_shape: tuple) -> Any:
+        """fn's prepared evaluate over the views for inputs of shape `x_shape`."""
+        key = (fn, x_shape)
+        found = self._prepared.get(key)
+        if found is None:
+            if len(self._prepared) >= 16:  # shapes of another kind every call: keep a few
+                self._prepared.clear()
+            found = self._prepared[key] = fn.prepare_evaluate(*self._dicts, x_shape)
+        return found
 
 
 def _ptr(t: Optional[Tensor]) -> int:
@@ -213,7 +236,10 @@ def evaluate_call(x: Tensor, call: Call) -> Tensor:
     x_nhwc = _nhwc(x, call.nchw)
     if graphs is None:
         with call_context(fn, x):
-            y = fn.evaluate(call.params, x_nhwc, call.running)
+            if call.views is not None:
+                y = call.views.evaluate(fn, x_nhwc)
+            else:
+                y = fn.evaluate(call.params, x_nhwc, call.running)
     else:
         y = torch.empty(fn.spec.at(*x_nhwc.shape[:3]).output_shape, dtype=x.dtype, device=x.device)
 

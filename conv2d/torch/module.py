@@ -25,6 +25,7 @@ from torch import nn
 
 from conv2d.activations import Activation
 from conv2d.backend import Preallocating, check_options, make_functions
+from conv2d.backend import get as get_backend
 from conv2d.checks import describe
 from conv2d.spec import DType, LayerSpec, Normalization, _pair
 from conv2d.torch import eager, ops
@@ -269,12 +270,11 @@ class Conv2dNormActivation(nn.Module):
         return total
 
     def _choice(self, x: torch.Tensor) -> tuple[bool, bool]:
-        """(allow_tf32, autotune) of this call's convolutions, as PyTorch would choose
-        for its own now unless `backend_options` says: TF32 for float32 where
-        `torch_uses_tf32()`, plans timed where `torch.backends.cudnn.benchmark`
-        (`calls.choice_now`); (False, False) off CUDA, and TF32 False for other dtypes.
-        For the eager path: the registered ops make the same choice when they run
-        (`ops.key_now`), so that a traced call reads none of PyTorch's switches."""
+        """(allow_tf32, autotune) of this call's convolutions, as PyTorch would choose for its
+        own now unless `backend_options` says: TF32 for float32 where `torch_uses_tf32()`, plans
+        timed where `torch.backends.cudnn.benchmark` (`calls.choice_now`); (False, False) off
+        CUDA, TF32 False for other dtypes. For the eager path: the registered ops make the same
+        choice when they run (`ops.key_now`), so a traced call reads none of PyTorch's switches."""
         if not x.is_cuda:
             return NO_CHOICE
         given = self.backend_options
@@ -403,14 +403,14 @@ class Conv2dNormActivation(nn.Module):
 
     def _eager_call(self, x: torch.Tensor, params: tuple, running_mean: Optional[torch.Tensor],
                     running_var: Optional[torch.Tensor], training: bool, nchw: bool) -> tuple[eager.Call, tuple]:
-        """The one place an eager call's tensors become the backend's arguments: its
-        functions (and call graphs) for x's device and dtype, the cached NHWC views of the
-        parameters and running statistics, and the call's flags; with the parameters
-        autograd differentiates (the weight's channels_last copy where it is in another
-        memory format)."""
+        """The one place an eager call's tensors become the backend's arguments: its functions (and
+        call graphs) for x's device and dtype, the cached NHWC views of the parameters and running
+        statistics (holding a host backend's prepared evaluates), the call's flags; with the parameters
+        autograd differentiates (the weight's channels_last copy where it is in another memory format)."""
         fn, graphs = self._functions_for(x, self._choice(x))
         weight, bias, gamma, beta = params
-        if weight.is_contiguous(memory_format=torch.channels_last):
+        cached = weight.is_contiguous(memory_format=torch.channels_last)
+        if cached:
             views, running, ptrs = self._views.get(weight, bias, gamma, beta, running_mean, running_var)
         else:
             # A weight in another memory format: its channels_last copy (one differentiable
@@ -421,8 +421,9 @@ class Conv2dNormActivation(nn.Module):
         if graphs is not None and (not self.cuda_graphs or torch.cuda.is_current_stream_capturing()):
             graphs = None  # in a capture of the caller's, the launches go into it (calls.call_context)
         updates = training and self._spec.normalization is Normalization.BATCH_NORM
+        prepares = cached and not x.is_cuda and get_backend(self.cpu_backend).prepares_evaluate
         call = eager.Call(fn, views, running, training, nchw, self._spec.batch_statistics(training), graphs,
-                          ptrs if graphs is not None else (), evaluates=not updates)
+                          ptrs if graphs is not None else (), not updates, self._views if prepares else None)
         return call, (weight, bias, gamma, beta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

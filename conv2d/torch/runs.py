@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from conv2d.arrays import host_view, to_library
 from conv2d.checks import describe
 from conv2d.spec import Normalization
 from conv2d.torch import eager
@@ -119,6 +120,8 @@ def _evaluate(x: Tensor, run: RunCall) -> Tensor:
     """y (N, OH, OW, OC) of a call without gradients: each layer's evaluate (or, where it
     updates batch statistics, its forward), in one graph replay when the run has graphs."""
     if run.graphs is None:
+        if all(call.views is not None and call.evaluates for call in run.calls):
+            return _evaluate_prepared(x, run)
         h = x
         for call in run.calls:
             h = eager.evaluate_call(h, call) if call.evaluates else eager.forward_call(h, call)[0]
@@ -148,6 +151,19 @@ def _evaluate(x: Tensor, run: RunCall) -> Tensor:
         return tuple(resources)
     run.graphs.run(key, launch, x)
     return ys[-1].detach()
+
+
+def _evaluate_prepared(x: Tensor, run: RunCall) -> Tensor:
+    """y (N, OH, OW, OC) of a call without gradients on a host backend that prepares its
+    evaluates (conv2d.backend.Preparing): each layer's prepared evaluate (conv2d.torch.eager.
+    ParameterViews.prepared) on the NumPy output before it, one view of x in and one tensor
+    out, no checks between the layers (their shapes follow from the first's)."""
+    h = _first_input(x, run.calls[0])
+    with call_context(run.calls[0].fn, h):
+        a, _ = host_view("x", h)
+        for call in run.calls:
+            a = call.views.prepared(call.fn, a.shape)(a)
+    return to_library(a, "torch")
 
 
 class EagerRun(torch.autograd.Function):
