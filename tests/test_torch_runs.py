@@ -129,6 +129,84 @@ def test_acting_follows_parameters_stepped_in_place_replaced_and_loaded(place, c
     acts_as_it_trains()
 
 
+def _change(model, change):
+    """Make one change to `model` (a run or its Sequential) that an acting call rests on."""
+    if change == "train_mode":
+        model.train()
+    elif change == "eps":
+        model[0].norm.eps = 1e-2
+    elif change == "momentum":
+        model.train()
+        model[0].norm.momentum = 0.5
+    elif change == "new_parameter_object":
+        model[2].conv.weight = nn.Parameter(model[2].conv.weight.detach() * 0.5)
+    elif change == "data_assigned":
+        model[1].norm.running_mean.data = model[1].norm.running_mean + 0.25
+    elif change == "layer_replaced":
+        torch.manual_seed(3)
+        model[3] = Conv2dNormActivation(4, 6, 3, stride=2, norm="none", activation="tanh", dtype=torch.float64)
+    elif change == "reference_backend":
+        for layer in model:
+            layer.cpu_backend = "reference"
+    elif change == "moved_to_float32":
+        model.float()
+
+
+ACTING_CHANGES = ["train_mode", "eps", "momentum", "new_parameter_object", "data_assigned", "layer_replaced",
+                  "reference_backend", "moved_to_float32"]
+
+
+@pytest.mark.parametrize("change", ACTING_CHANGES)
+def test_acting_again_after_a_change_gives_what_the_layers_in_turn_give(change):
+    """A run's acting call (eval, no gradients, on the cpu backend) is prepared once and
+    called again while nothing it rests on changed (`Conv2dRun._stamp`): after each change,
+    bitwise what its layers called in turn give, running statistics included."""
+    seq, run = pair(("cpu", "cpu"), torch.float64)
+    for model in (seq, run):
+        model.eval()
+    x = sample(("cpu", "cpu"), torch.float64)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(run(x), seq(x))
+        for model in (seq, run):
+            _change(model, change)
+        x = x.to(next(run.parameters()).dtype)
+        for _ in range(2):
+            assert torch.equal(run(x), seq(x))
+    assert_bitwise(list(run.state_dict().values()), list(seq.state_dict().values()))
+
+
+@pytest.mark.parametrize("other", ["shape", "memory_format", "dtype"])
+def test_acting_again_on_another_input_gives_what_the_layers_in_turn_give(other):
+    seq, run = pair(("cpu", "cpu"), torch.float64)
+    seq.eval(), run.eval()
+    x = sample(("cpu", "cpu"), torch.float64)
+    with torch.no_grad():
+        assert torch.equal(run(x), seq(x))
+        if other == "shape":
+            x = sample(("cpu", "cpu"), torch.float64, n=2)[:, :, :7, :8]
+        elif other == "memory_format":
+            x = x.contiguous()
+        else:
+            x = x.float()
+            with pytest.raises(TypeError, match="x: expected a torch.float64 tensor"):
+                run(x)
+            return
+        assert torch.equal(run(x), seq(x))
+
+
+def test_acting_again_runs_a_forward_hook_registered_since():
+    _, run = pair(("cpu", "cpu"), torch.float64)
+    run.eval()
+    x = sample(("cpu", "cpu"), torch.float64)
+    calls = []
+    with torch.no_grad():
+        run(x)
+        run[1].register_forward_hook(lambda *args: calls.append(1))
+        run(x)
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("place", PLACES)
 def test_a_run_in_training_without_gradients_updates_the_statistics_as_its_layers(place):
     seq, run = pair(place, torch.float32)
