@@ -129,7 +129,7 @@ def test_acting_follows_parameters_stepped_in_place_replaced_and_loaded(place, c
     acts_as_it_trains()
 
 
-def _change(model, change):
+def _change(model, change, place, dtype):
     """Make one change to `model` (a run or its Sequential) that an acting call rests on."""
     if change == "train_mode":
         model.train()
@@ -144,32 +144,39 @@ def _change(model, change):
         model[1].norm.running_mean.data = model[1].norm.running_mean + 0.25
     elif change == "layer_replaced":
         torch.manual_seed(3)
-        model[3] = Conv2dNormActivation(4, 6, 3, stride=2, norm="none", activation="tanh", dtype=torch.float64)
-    elif change == "reference_backend":
+        model[3] = Conv2dNormActivation(4, 6, 3, stride=2, norm="none", activation="tanh", dtype=dtype,
+                                        device=place[0], cpu_backend=place[1])
+    elif change == "cpu_backend_changed":
         for layer in model:
-            layer.cpu_backend = "reference"
-    elif change == "moved_to_float32":
-        model.float()
+            layer.cpu_backend = "reference" if place[1] == "cpu" else "cpu"
+    elif change == "moved_to_another_dtype":
+        model.to(torch.float64 if place[0] == "cpu" else torch.bfloat16)
+    elif change == "cuda_graphs_off":
+        for layer in model:
+            layer.cuda_graphs = False
 
 
 ACTING_CHANGES = ["train_mode", "eps", "momentum", "new_parameter_object", "data_assigned", "layer_replaced",
-                  "reference_backend", "moved_to_float32"]
+                  "cpu_backend_changed", "moved_to_another_dtype", "cuda_graphs_off"]
 
 
 @pytest.mark.parametrize("change", ACTING_CHANGES)
-def test_acting_again_after_a_change_gives_what_the_layers_in_turn_give(change):
-    """A run's acting call (eval, no gradients, on the cpu backend) is prepared once and
-    called again while nothing it rests on changed (`Conv2dRun._stamp`): after each change,
-    bitwise what its layers called in turn give, running statistics included."""
-    seq, run = pair(("cpu", "cpu"), torch.float64)
+@pytest.mark.parametrize("place", PLACES)
+def test_acting_again_after_a_change_gives_what_the_layers_in_turn_give(place, change):
+    """A run's acting call (eval, no gradients) is kept and called again while nothing it
+    rests on changed (`Conv2dRun._stamp`: on the cpu backend its prepared evaluates, on a
+    GPU its RunCall's graph replay): after each change, bitwise what its layers called in
+    turn give, running statistics included."""
+    dtype = torch.float32
+    seq, run = pair(place, dtype)
     for model in (seq, run):
         model.eval()
-    x = sample(("cpu", "cpu"), torch.float64)
+    x = sample(place, dtype)
     with torch.no_grad():
         for _ in range(2):
             assert torch.equal(run(x), seq(x))
         for model in (seq, run):
-            _change(model, change)
+            _change(model, change, place, dtype)
         x = x.to(next(run.parameters()).dtype)
         for _ in range(2):
             assert torch.equal(run(x), seq(x))

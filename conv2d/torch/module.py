@@ -286,9 +286,9 @@ class Conv2dNormActivation(nn.Module):
         return {**self.backend_options, "allow_tf32": choice[0], "autotune": choice[1]}
 
     def _functions_for(self, x: torch.Tensor, choice: tuple[bool, bool]) -> tuple[Any, Any]:
-        """(the backend's functions, their CallGraphs or None) for x's device and dtype
-        and the (allow_tf32, autotune) choice (made once each), for the eager path."""
-        key = (x.device, x.dtype, choice)
+        """(the backend's functions, their CallGraphs or None) for x's device and dtype, the
+        (allow_tf32, autotune) choice and `cpu_backend` (made once each), for the eager path."""
+        key = (x.device, x.dtype, choice, None if x.is_cuda else self.cpu_backend)
         found = self._functions.get(key)
         if found is not None:
             return found
@@ -421,7 +421,7 @@ class Conv2dNormActivation(nn.Module):
         if graphs is not None and (not self.cuda_graphs or torch.cuda.is_current_stream_capturing()):
             graphs = None  # in a capture of the caller's, the launches go into it (calls.call_context)
         updates = training and self._spec.normalization is Normalization.BATCH_NORM
-        prepares = cached and not x.is_cuda and get_backend(self.cpu_backend).prepares_evaluate
+        prepares = cached and not x.is_cuda and get_backend(fn.name).prepares_evaluate
         call = eager.Call(fn, views, running, training, nchw, self._spec.batch_statistics(training), graphs,
                           ptrs if graphs is not None else (), not updates, self._views if prepares else None)
         return call, (weight, bias, gamma, beta)

@@ -169,19 +169,35 @@ def _evaluate_prepared(x: Tensor, run: RunCall) -> tuple[Tensor, tuple]:
     return to_library(a, "torch"), tuple(prepared)
 
 
-def _act(x: Tensor, prepared: tuple, nchw: bool) -> Tensor:
-    """`_evaluate_prepared`'s y of x through the same prepared evaluates, in the layers'
-    layout ((N, OC, OH, OW) channels_last, or NHWC)."""
-    if nchw:  # x in the layout the first call made of it (a copy where it came in another)
-        h = (x if x.is_contiguous(memory_format=torch.channels_last) else
-             x.contiguous(memory_format=torch.channels_last)).permute(0, 2, 3, 1)
+class _Acting(NamedTuple):
+    """A run's call without gradients, kept to be called again (`Conv2dRun._stamp`): the
+    stamp of what it rests on, the tensors the stamp names by id (kept, so that the ids
+    stay theirs), the RunCall, the host's prepared evaluates (None: the RunCall's
+    `_evaluate`, a CUDA graph replay) and whether the layers are NCHW."""
+
+    stamp: tuple
+    tensors: tuple
+    run: RunCall
+    prepared: Optional[tuple]
+    nchw: bool
+
+
+def _act(x: Tensor, acting: _Acting) -> Tensor:
+    """y of x through a kept call, in the layers' layout ((N, OC, OH, OW) channels_last,
+    or NHWC): the prepared evaluates on the host, the run's `_evaluate` on a GPU."""
+    if acting.nchw:  # x in the layout the first call made of it (a copy where it came in another)
+        if not x.is_contiguous(memory_format=torch.channels_last):
+            x = x.contiguous(memory_format=torch.channels_last)
     else:
-        h = x.contiguous()
-    a, _ = host_view("x", h)
-    for run in prepared:
-        a = run(a)
-    y = to_library(a, "torch")
-    return y.permute(0, 3, 1, 2) if nchw else y
+        x = x.contiguous()
+    if acting.prepared is None:
+        y = _evaluate(x, acting.run)
+    else:
+        a, _ = host_view("x", _first_input(x, acting.run.calls[0]))
+        for evaluate in acting.prepared:
+            a = evaluate(a)
+        y = to_library(a, "torch")
+    return y.permute(0, 3, 1, 2) if acting.nchw else y
 
 
 class EagerRun(torch.autograd.Function):
@@ -294,7 +310,7 @@ class Conv2dRun(nn.Sequential):
         super().__init__(*layers)
         self._graphs: dict[tuple, tuple] = {}  # the layers' functions' ids -> (functions, CallGraphs)
         self._sizes: set[tuple[int, int]] = set()  # input (H, W) whose every layer's input fits its kernel
-        self._acting: Optional[tuple] = None  # (stamp, the tensors it names, prepared evaluates, nchw)
+        self._acting: Optional[_Acting] = None  # the last call without gradients, to call again
 
     def _apply(self, fn: Any, recurse: bool = True) -> "Conv2dRun":
         self._graphs = {}  # graphs of the old memory's addresses
@@ -302,13 +318,14 @@ class Conv2dRun(nn.Sequential):
         return super()._apply(fn, recurse)
 
     def forward(self, x: Tensor) -> Tensor:
-        acting = self._acting
-        if acting is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # Acting again: the same prepared evaluates while nothing they rest on changed.
+        stamp = None
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # Acting again: the same call while nothing it rests on changed.
             stamp = self._stamp(x)
-            if stamp == acting[0]:
+            acting = self._acting
+            if acting is not None and stamp == acting.stamp:
                 refuse_function_transforms(x)
-                return _act(x, acting[2], acting[3])
+                return _act(x, acting)
         layers = list(self._modules.values())
         if not self._one_node(x, layers):
             return super().forward(x)
@@ -346,10 +363,15 @@ class Conv2dRun(nn.Sequential):
         run = RunCall(tuple(calls), together, tuple(graphs), tuple(ptrs))
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors)):
             y = EagerRun.apply(x, run, *tensors)
-        elif not torch.is_grad_enabled() and run.graphs is None and all(c.views is not None and c.evaluates
-                                                                        for c in calls):
-            y, prepared = _evaluate_prepared(x, run)
-            self._acting = (self._stamp(x), tuple(tensors), prepared, nchw)
+        elif stamp is not None and all(c.evaluates for c in calls) and (
+                run.graphs is not None or all(c.views is not None for c in calls)):
+            # Kept to call again: a graph replay on a GPU, the prepared evaluates on the host.
+            prepared = None
+            if run.graphs is None:
+                y, prepared = _evaluate_prepared(x, run)
+            else:
+                y = _evaluate(x, run)
+            self._acting = _Acting(stamp, tuple(tensors), run, prepared, nchw)
         else:
             y = _evaluate(x, run)
         for layer, norm, running_mean, training in counted:
@@ -357,19 +379,27 @@ class Conv2dRun(nn.Sequential):
         return y.permute(0, 3, 1, 2) if nchw else y
 
     def _stamp(self, x: Any) -> tuple:
-        """What a prepared acting call rests on: x's type, shape, dtype, device and strides,
-        autocast, PyTorch's global forward hooks, and each layer (the object), its backend,
-        hooks, norm flags (training, eps, momentum) and tensors (the objects, kept with the
-        stamp so their ids stay theirs, and their addresses: `.data = ...` moves them)."""
+        """What a kept call without gradients rests on: x's type, shape, dtype, device and
+        strides, autocast, PyTorch's global forward hooks (on a GPU: whether a capture is
+        under way), and each layer (the object), its backend, hooks, norm flags (training,
+        eps, momentum), tensors (the objects, kept with the call so their ids stay theirs,
+        and their addresses: `.data = ...` moves them) and, on a GPU, its `cuda_graphs` and
+        TF32 and plan-timing choice."""
         hooks = nn.modules.module
-        parts = [type(x), getattr(x, "shape", None), getattr(x, "dtype", None), getattr(x, "is_cpu", None),
-                 x.stride() if type(x) is torch.Tensor else None, torch.is_autocast_enabled("cpu"),
+        if type(x) is not torch.Tensor:
+            return (type(x),)
+        cuda = x.is_cuda
+        parts = [type(x), x.shape, x.dtype, x.device if cuda else None, x.stride(), torch.is_autocast_enabled("cpu"),
                  bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)]
+        if cuda:
+            parts += [torch.is_autocast_enabled("cuda"), torch.cuda.is_current_stream_capturing()]
         for layer in self._modules.values():
             conv, norm = layer._modules["0"], layer._modules.get("1")
             tensors = [_member(conv, "weight"), _member(conv, "bias")]
             parts += [id(layer), id(conv), id(norm), layer.cpu_backend,
                       bool(layer._forward_hooks or layer._forward_pre_hooks)]
+            if cuda:  # which functions and graphs the layer's call takes
+                parts += [layer.cuda_graphs, layer._choice(x)]
             if isinstance(norm, nn.BatchNorm2d):
                 parts += [norm.training, norm.eps, norm.momentum]
             if norm is not None:
