@@ -102,9 +102,9 @@ def test_the_module_on_the_gpu_runs_float32_in_tf32_exactly_when_pytorch_would()
     for flag in (True, False):
         with torch.backends.cudnn.flags(enabled=True, allow_tf32=flag):
             following(x), strict(x)
-        assert following._functions[(x.device, x.dtype, (flag, False))][0].allow_tf32 is flag
+        assert following._functions[(x.device, x.dtype, (flag, False), None)][0].allow_tf32 is flag
     assert [key[2] for key in strict._functions] == [(False, False)]
-    assert strict._functions[(x.device, x.dtype, (False, False))][0].allow_tf32 is False
+    assert strict._functions[(x.device, x.dtype, (False, False), None)][0].allow_tf32 is False
     half = Conv2dNormActivation(5, 6, 3, padding=1, device="cuda", dtype=torch.bfloat16)
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
         half(x.bfloat16())
@@ -123,7 +123,7 @@ def test_the_module_on_the_gpu_times_cudnn_plans_exactly_when_pytorch_benchmarks
     for flag in (True, False):
         with torch.backends.cudnn.flags(enabled=True, benchmark=flag, allow_tf32=False):
             following(x), fixed(x)
-        assert following._functions[(x.device, x.dtype, (False, flag))][0].autotune is flag
+        assert following._functions[(x.device, x.dtype, (False, flag), None)][0].autotune is flag
     assert [key[2] for key in fixed._functions] == [(False, False)]
 
 
