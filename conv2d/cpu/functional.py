@@ -148,10 +148,7 @@ def _forward(call: LayerSpec, params: dict, running: dict | None, x: np.ndarray,
 @functools.lru_cache(maxsize=256)
 def _fused_evaluate(spec: LayerSpec) -> bool:
     """Whether an evaluate of `spec` is one pass after the convolution (evaluate_epilogue):
-    no rounding to a storage dtype between z and the norm, and no statistics of its own
-    to compute (no norm, or batch norm's running statistics)."""
-    if compute_dtype(spec.dtype) != storage_dtype(spec.dtype):
-        return False
+    no statistics of its own to compute (no norm, or batch norm's running statistics)."""
     return spec.normalization is Normalization.NONE or (spec.normalization is Normalization.BATCH_NORM
                                                         and not spec.batch_statistics(False))
 
@@ -163,23 +160,29 @@ def _evaluator(call: LayerSpec, params: dict, running: dict | None) -> Callable[
     the parameters' and statistics' values are read at each call."""
     if not _fused_evaluate(call):
         return lambda x: _forward(call, params, running, x, False)[0]
-    ct = compute_dtype(call.dtype)
+    ct, st = compute_dtype(call.dtype), storage_dtype(call.dtype)
     weights = params["weights"]
-    bias = params["bias"] if call.bias else np.zeros(0, ct)
     gamma, beta = _norm_parameters(call, params, ct)
     mode = _MODES[call.normalization]
     none = np.zeros(1, ct)
     mean, var = (running["running_mean"], running["running_var"]) if mode == kernels.BATCH_NORM else (none, none)
     code, p = _activation(call)
     eps = float(call.bn_epsilon)
-    convolve = conv.forward_function(call.input_shape, weights, call.stride, call.pads, call.batch_invariant,
-                                     call.dilation, call.groups, call.padding_mode)
+    if st == ct:
+        bias = params["bias"] if call.bias else np.zeros(0, ct)
+        convolve = conv.forward_function(call.input_shape, weights, call.stride, call.pads, call.batch_invariant,
+                                         call.dilation, call.groups, call.padding_mode)
+    else:  # 16-bit storage: the forward's pre-activations (bias added, rounded to the storage dtype)
+        bias = np.zeros(0, ct)
+
+        def convolve(x: np.ndarray) -> np.ndarray:
+            return _pre_activations(call, params, x)[1]
 
     def evaluate(x: np.ndarray) -> np.ndarray:
         z = convolve(x)
         y = np.empty(z.shape, ct)
         kernels.evaluate_epilogue(_pixels(z), bias, mode, mean, var, eps, gamma, beta, code, p, _pixels(y))
-        return y
+        return casts.cast(y, st)
     return evaluate
 
 

@@ -344,7 +344,7 @@ def evaluate_epilogue(z, bias, mode, running_mean, running_var, eps, gamma, beta
     1 / sqrt(running_var + eps) the running statistics' (BATCH_NORM), or f(z + bias)
     (NO_NORM): forward_epilogue's values for an evaluate, with the bias and the statistics
     in the same pass (adding the bias into z, which is the caller's scratch). z, y (N, P,
-    C) of one dtype (the storage dtype is the compute dtype); bias (C,) or (0,)."""
+    C) in the compute dtype; bias (C,) or (0,)."""
     rows = z.shape[0] * z.shape[1]
     run_tasks(_evaluate_epilogue, (rows + SPAN - 1) // SPAN, z.size, _rows(z), bias, mode, running_mean,
               running_var, eps, gamma, beta, code, p, _rows(y))
