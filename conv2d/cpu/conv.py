@@ -62,6 +62,11 @@ def _windows(xp: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int],
 SMALL_COLUMNS = 8192
 
 
+def _compiled_columns(rows: int, width: int, mode: str) -> bool:
+    """Whether a block's windows, (rows, width) copied, are copied by conv_kernels.im2col."""
+    return mode == "zeros" and rows * width <= SMALL_COLUMNS
+
+
 def _columns(x: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple,
              dilation: tuple[int, int], mode: str) -> np.ndarray:
     """The windows of x (N, H, W, C) padded as `mode` says, as one matrix (N*OH*OW, KH*KW*C)
@@ -70,7 +75,7 @@ def _columns(x: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int], pa
     padded = _padded_hw(x.shape, padding)
     oh, ow = _output_size(padded, kernel, stride, dilation)
     rows, width = x.shape[0] * oh * ow, kh * kw * c
-    if mode == "zeros" and rows * width <= SMALL_COLUMNS and x.flags.c_contiguous:
+    if _compiled_columns(rows, width, mode) and x.flags.c_contiguous:
         (top, _), (left, _) = pads_of(padding)
         cols = np.empty((rows, width), x.dtype)
         conv_kernels.im2col(x, top, left, *stride, *dilation, kh, kw, oh, ow, cols)
@@ -163,8 +168,7 @@ def forward_function(x_shape: tuple[int, int, int, int], w: np.ndarray, stride: 
     oh, ow = _output_size(_padded_hw(x_shape, padding), (kh, kw), stride, dilation)
     rows, width = n * oh * ow, kh * kw * c
     step = 1 if per_sample else _block_samples(oh * ow * width * w.itemsize)
-    if (_depthwise(groups, x_shape[3]) or groups > 1 or step < n or mode != "zeros"
-            or rows * width > SMALL_COLUMNS):
+    if _depthwise(groups, x_shape[3]) or groups > 1 or step < n or not _compiled_columns(rows, width, mode):
         return lambda x: conv_forward(x, w, stride, padding, per_sample, dilation, groups, mode)
     (top, _), (left, _) = pads_of(padding)
     w_t = w.reshape(oc, width).T

@@ -1,8 +1,9 @@
 """The CPU backend's compiled convolution loops (numba's CPU compiler, `@njit`): a small dense
 convolution's im2col, the dense convolutions' input gradient (col2im) and the depthwise
 convolutions, which are memory-bound loops, one product of a few taps an output, where a
-matrix product a channel would cost more in Python than in arithmetic. Threads and determinism as conv2d.cpu.kernels says: each
-kernel a loop over its tasks (`run_tasks`), sums in a fixed order whatever the threads.
+matrix product a channel would cost more in Python than in arithmetic. Threads and
+determinism as conv2d.cpu.kernels says: each kernel a loop over its tasks (`run_tasks`),
+sums in a fixed order whatever the threads.
 
 Arrays NHWC and C-contiguous in one float dtype (the compute dtype); depthwise taps
 (KH, KW, OC); padded inputs `xp` (N, Hp, Wp, C).

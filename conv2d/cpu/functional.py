@@ -145,7 +145,6 @@ def _forward(call: LayerSpec, params: dict, running: dict | None, x: np.ndarray,
     return casts.cast(y, st), Saved(call, x, pre, mean, inv_std, from_batch, lib)
 
 
-@functools.lru_cache(maxsize=256)
 def _fused_evaluate(spec: LayerSpec) -> bool:
     """Whether an evaluate of `spec` is one pass after the convolution (evaluate_epilogue):
     no statistics of its own to compute (no norm, or batch norm's running statistics)."""
