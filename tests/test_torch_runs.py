@@ -160,27 +160,57 @@ ACTING_CHANGES = ["train_mode", "eps", "momentum", "new_parameter_object", "data
                   "cpu_backend_changed", "moved_to_another_dtype", "cuda_graphs_off"]
 
 
+def with_gradients(model, x):
+    """model(x) through the calls that keep nothing (autograd's: the parameters require
+    gradients), the same calls in train mode's statistics too."""
+    with torch.enable_grad():
+        return model(x).detach()
+
+
 @pytest.mark.parametrize("change", ACTING_CHANGES)
 @pytest.mark.parametrize("place", PLACES)
 def test_acting_again_after_a_change_gives_what_the_layers_in_turn_give(place, change):
-    """A run's acting call (eval, no gradients) is kept and called again while nothing it
-    rests on changed (`Conv2dRun._stamp`: on the cpu backend its prepared evaluates, on a
-    GPU its RunCall's graph replay): after each change, bitwise what its layers called in
-    turn give, running statistics included."""
+    """An acting call (eval, no gradients) is kept and called again while nothing it rests
+    on changed (`Conv2dRun._stamp`: on the cpu backend its prepared evaluates, on a GPU
+    its RunCall's graph replay), for a run and for each lone layer (`runs.act_alone`):
+    after each change, bitwise what the layers called with gradients give, running
+    statistics included."""
     dtype = torch.float32
     seq, run = pair(place, dtype)
-    for model in (seq, run):
+    want = copy.deepcopy(seq)
+    for model in (seq, run, want):
         model.eval()
     x = sample(place, dtype)
     with torch.no_grad():
         for _ in range(2):
-            assert torch.equal(run(x), seq(x))
-        for model in (seq, run):
+            expected = with_gradients(want, x)
+            assert torch.equal(run(x), expected) and torch.equal(seq(x), expected)
+        for model in (seq, run, want):
             _change(model, change, place, dtype)
         x = x.to(next(run.parameters()).dtype)
         for _ in range(2):
-            assert torch.equal(run(x), seq(x))
-    assert_bitwise(list(run.state_dict().values()), list(seq.state_dict().values()))
+            expected = with_gradients(want, x)
+            assert torch.equal(run(x), expected) and torch.equal(seq(x), expected)
+    for model in (seq, run):
+        assert_bitwise(list(model.state_dict().values()), list(want.state_dict().values()))
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_a_lone_layers_acting_is_kept_outside_its_modules_and_state_dict(place):
+    """A lone layer acting twice keeps the call (a run of itself, held outside the
+    layer's modules; not on the reference, which prepares nothing): its children,
+    state_dict keys and parameters stay nn.Sequential's, and a copy of it acts as it does."""
+    layer = layers(place, torch.float32)[0].eval()
+    names, keys = [n for n, _ in layer.named_modules()], list(layer.state_dict())
+    x = sample(place, torch.float32)
+    with torch.no_grad():
+        first, again = layer(x), layer(x)
+    assert (layer.__dict__["_alone"]._acting is not None) == (place != ("cpu", "reference"))
+    assert torch.equal(first, again) and torch.equal(again, with_gradients(layer, x))
+    assert [n for n, _ in layer.named_modules()] == names and list(layer.state_dict()) == keys
+    assert len(list(layer.parameters())) == 4
+    with torch.no_grad():
+        assert torch.equal(copy.deepcopy(layer)(x), again)
 
 
 @pytest.mark.parametrize("other", ["shape", "memory_format", "dtype"])
@@ -202,15 +232,17 @@ def test_acting_again_on_another_input_gives_what_the_layers_in_turn_give(other)
         assert torch.equal(run(x), seq(x))
 
 
-def test_acting_again_runs_a_forward_hook_registered_since():
+@pytest.mark.parametrize("called", ["as_a_run", "lone_layer"])
+def test_acting_again_runs_a_forward_hook_registered_since(called):
     _, run = pair(("cpu", "cpu"), torch.float64)
     run.eval()
+    model = run if called == "as_a_run" else run[0]
     x = sample(("cpu", "cpu"), torch.float64)
     calls = []
     with torch.no_grad():
-        run(x)
-        run[1].register_forward_hook(lambda *args: calls.append(1))
-        run(x)
+        want = model(x)
+        run[0].register_forward_hook(lambda *args: calls.append(1))
+        assert torch.equal(model(x), want)
     assert calls == [1]
 
 

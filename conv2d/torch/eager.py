@@ -273,3 +273,22 @@ def _graph_backward(call: Call, kept: tuple, d_y: Tensor, want_params: bool, wan
     else:
         graphs.run(key, run, d_y)
     return grads, d_x
+
+
+def count_batch(y: torch.Tensor, norm: Optional[torch.nn.Module], running_mean: Optional[torch.Tensor], training: bool,
+                cumulative: Optional[tuple] = None) -> torch.Tensor:
+    """y, after counting a training batch (after the call: a refused input counts no
+    batch) and, with momentum=None, moving the running statistics `cumulative` to
+    the batch's by 1/(batches counted), as nn.BatchNorm2d does."""
+    if running_mean is not None and training:
+        tracked = norm.num_batches_tracked
+        tracked.add_(1)
+        if cumulative is not None:
+            batch = norm.batch_buffers()
+            with torch.no_grad():
+                for running, new in zip(cumulative, batch):
+                    # 1/count in the statistics' dtype (an int64 tensor's reciprocal is
+                    # float32: 1e-8 off in a float64 module), as nn.BatchNorm2d's
+                    # exponential_average_factor = 1.0 / float(num_batches_tracked)
+                    running.lerp_(new, 1.0 / tracked.to(running.dtype))
+    return y

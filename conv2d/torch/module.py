@@ -237,6 +237,7 @@ class Conv2dNormActivation(nn.Module):
         # .to(), .cuda(), .double(), ... give the parameters new memory: drop the views of
         # the old (they would keep it alive until the next call noticed).
         self._views = eager.ParameterViews()
+        self.__dict__.pop("_alone", None)  # conv2d.torch.runs.act_alone's run: graphs of the old memory
         out = super()._apply(fn, recurse)
         self._refresh_op_key()
         return out
@@ -430,6 +431,12 @@ class Conv2dNormActivation(nn.Module):
         if torch.jit.is_tracing():
             raise TypeError("torch.jit.trace: Conv2dNormActivation's calls are not traceable into TorchScript; "
                             "use torch.compile, or torch.export for a program to deploy")
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            from conv2d.torch.runs import act_alone  # runs imports this module
+
+            y = act_alone(self, x)
+            if y is not None:
+                return y
         conv, norm = self._modules["0"], self._modules.get("1")
         weight = _member(conv, "weight")
         cast = autocast_dtype(x, weight)
@@ -478,8 +485,8 @@ class Conv2dNormActivation(nn.Module):
             w = weight.contiguous(memory_format=torch.channels_last)
             y = ops.Conv2dFunction.apply(x, w, bias, gamma, beta, running_mean, running_var, training,
                                          self._spec.batch_statistics(training), nchw, self._op_key)
-            return self._counted(y, norm, running_mean, training, kept if cumulative else None)
-        return self._counted(y.permute(0, 3, 1, 2) if nchw else y, norm, running_mean, training,
+            return eager.count_batch(y, norm, running_mean, training, kept if cumulative else None)
+        return eager.count_batch(y.permute(0, 3, 1, 2) if nchw else y, norm, running_mean, training,
                              kept if cumulative else None)
 
     def _empty_batch(self, x: torch.Tensor, norm: nn.Module | None, training: bool, nchw: bool) -> torch.Tensor:
@@ -494,24 +501,6 @@ class Conv2dNormActivation(nn.Module):
             y = y + sum(t.sum() for t in live) * 0  # an autograd path to each: zero gradients, as nn gives
         if training and isinstance(norm, nn.BatchNorm2d) and norm.track_running_stats:
             _member(norm, "num_batches_tracked").add_(1)
-        return y
-
-    def _counted(self, y: torch.Tensor, norm: nn.Module | None, running_mean: Optional[torch.Tensor], training: bool,
-                 cumulative: Optional[tuple] = None) -> torch.Tensor:
-        """y, after counting a training batch (after the call: a refused input counts no
-        batch) and, with momentum=None, moving the running statistics `cumulative` to
-        the batch's by 1/(batches counted), as nn.BatchNorm2d does."""
-        if running_mean is not None and training:
-            tracked = _member(norm, "num_batches_tracked")
-            tracked.add_(1)
-            if cumulative is not None:
-                batch = norm.batch_buffers()
-                with torch.no_grad():
-                    for running, new in zip(cumulative, batch):
-                        # 1/count in the statistics' dtype (an int64 tensor's reciprocal is
-                        # float32: 1e-8 off in a float64 module), as nn.BatchNorm2d's
-                        # exponential_average_factor = 1.0 / float(num_batches_tracked)
-                        running.lerp_(new, 1.0 / tracked.to(running.dtype))
         return y
 
 
@@ -537,7 +526,7 @@ def _height_width(x: torch.Tensor, nchw: bool) -> tuple[int, int]:
 
 def _layer_momentum(momentum: float | None) -> float:
     """The LayerSpec's momentum for nn.BatchNorm2d's: None (the cumulative average, which
-    the module computes from a momentum-1 update, see `_counted`) is 1."""
+    the module computes from a momentum-1 update, see `eager.count_batch`) is 1."""
     return 1.0 if momentum is None else momentum
 
 
