@@ -15,8 +15,8 @@ library's numba kernels: norm, bias gradient, activations, depthwise), "batch no
 "memcpy/memset", and "other" (PyTorch's elementwise, pooling, reductions, the loss).
 The module's call graphs (conv2d.torch.graphs) replay in the timed steps as in a
 training loop; `--launch` turns them off (every call launches), for a profiler that does
-not see the kernels of replayed graphs. `--out DIR` writes DIR/network_kernels_cuda.md
-with the provenance line.
+not see the kernels of replayed graphs. `--out DIR` writes the tables into DIR, with the
+provenance line.
 """
 
 from __future__ import annotations
