@@ -62,28 +62,39 @@ def _through_bfloat16(first, end, src, dst):
         d[i] = _nearest(s[i]) << 16
 
 
-def cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def cast(a: np.ndarray, dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
     """`a.astype(dtype, copy=False)`, the same bits; bfloat16 <-> float32 of a C-contiguous
-    array by the compiled loops."""
+    array by the compiled loops. `out`: a C-contiguous array of a's shape and of `dtype`
+    to write into (even where the dtypes are one), returned."""
+    if out is not None and (a.dtype == dtype or not a.flags.c_contiguous):
+        out[...] = a
+        return out
     if a.dtype == dtype:
         return a
     if not a.flags.c_contiguous or {a.dtype, dtype} != {BFLOAT16, _FLOAT32}:
         return a.astype(dtype)
-    out = np.empty(a.shape, dtype)
+    if out is None:
+        out = np.empty(a.shape, dtype)
     to = a.dtype == _FLOAT32
     src, dst = a.reshape(-1).view(np.uint32 if to else np.uint16), out.reshape(-1).view(np.uint16 if to else np.uint32)
     run_tasks(_to_bfloat16 if to else _from_bfloat16, -(-a.size // CAST_CHUNK), a.size, src, dst)
     return out
 
 
-def through(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def through(a: np.ndarray, dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
     """`a.astype(dtype).astype(a.dtype)`: `a` rounded to `dtype`'s precision, kept in its
-    own dtype (float32 through bfloat16 in one compiled pass)."""
+    own dtype (float32 through bfloat16 in one compiled pass). `out`: where to write it
+    (a C-contiguous array like `a`, `a` itself included: each value is read before it is
+    written), returned."""
     if a.dtype == dtype:
         return a
     if not a.flags.c_contiguous or a.dtype != _FLOAT32 or dtype != BFLOAT16:
-        return a.astype(dtype).astype(a.dtype)
-    out = np.empty_like(a)
+        if out is None:
+            return a.astype(dtype).astype(a.dtype)
+        out[...] = a.astype(dtype)
+        return out
+    if out is None:
+        out = np.empty_like(a)
     run_tasks(_through_bfloat16, -(-a.size // CAST_CHUNK), a.size, a.reshape(-1).view(np.uint32),
               out.reshape(-1).view(np.uint32))
     return out

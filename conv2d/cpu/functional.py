@@ -171,11 +171,21 @@ def _evaluator(call: LayerSpec, params: dict, running: dict | None) -> Callable[
         bias = params["bias"] if call.bias else np.zeros(0, ct)
         convolve = conv.forward_function(call.input_shape, weights, call.stride, call.pads, call.batch_invariant,
                                          call.dilation, call.groups, call.padding_mode)
-    else:  # 16-bit storage: the forward's pre-activations (bias added, rounded to the storage dtype)
-        bias = np.zeros(0, ct)
+    else:  # 16-bit storage: _pre_activations' z, bitwise, in fewer passes
+        bias, stored_bias = np.zeros(0, ct), params["bias"] if call.bias else None
+        # The weights in the compute dtype, cast into this one buffer at each call (their
+        # values may have changed since), which the prepared convolution reads. Two
+        # threads acting at once write the same values into it.
+        w = np.empty(weights.shape, ct)
+        prepared = conv.forward_function(call.input_shape, w, call.stride, call.pads, call.batch_invariant,
+                                         call.dilation, call.groups, call.padding_mode)
 
         def convolve(x: np.ndarray) -> np.ndarray:
-            return _pre_activations(call, params, x)[1]
+            casts.cast(weights, ct, out=w)
+            z = prepared(casts.cast(x, ct))
+            if stored_bias is not None:
+                z += stored_bias.astype(ct, copy=False)
+            return casts.through(z, st, out=z)  # the storage dtype's rounding, kept in ct
 
     def evaluate(x: np.ndarray) -> np.ndarray:
         z = convolve(x)
