@@ -255,6 +255,26 @@ def test_a_cast_to_the_same_dtype_is_the_array_itself_and_other_pairs_are_numpys
     np.testing.assert_array_equal(casts.cast(strided, casts.BFLOAT16).astype(np.float32), strided)
 
 
+@pytest.mark.parametrize(("source", "target"), [(np.float32, "bfloat16"), ("bfloat16", np.float32),
+                                                 (np.float32, np.float16), (np.float32, np.float32)])
+def test_a_cast_into_out_writes_numpys_bits_there(source, target):
+    source = casts.BFLOAT16 if source == "bfloat16" else np.dtype(source)
+    target = casts.BFLOAT16 if target == "bfloat16" else np.dtype(target)
+    x = (np.random.default_rng(0).standard_normal((3, 70000)) * 1e3).astype(source)
+    out = np.empty(x.shape, target)
+    assert casts.cast(x, target, out=out) is out
+    np.testing.assert_array_equal(out.astype(np.float64), x.astype(target).astype(np.float64))
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", np.float16])
+def test_rounding_through_a_storage_dtype_in_place_gives_numpys_bits(storage):
+    storage = casts.BFLOAT16 if storage == "bfloat16" else np.dtype(storage)
+    x = (np.random.default_rng(1).standard_normal((3, 70000)) * 1e3).astype(np.float32)
+    want = x.astype(storage).astype(np.float32)
+    assert casts.through(x, storage, out=x) is x
+    np.testing.assert_array_equal(x.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("stride, dilation", [((1, 1), (1, 1)), ((2, 2), (1, 1)), ((2, 1), (1, 2)), ((1, 3), (2, 1))])
 def test_the_3x3_depthwise_forward_gives_the_general_loops_bits(stride, dilation, dtype):
