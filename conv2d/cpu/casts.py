@@ -66,12 +66,13 @@ def cast(a: np.ndarray, dtype: np.dtype, out: np.ndarray | None = None) -> np.nd
     """`a.astype(dtype, copy=False)`, the same bits; bfloat16 <-> float32 of a C-contiguous
     array by the compiled loops. `out`: a C-contiguous array of a's shape and of `dtype`
     to write into (even where the dtypes are one), returned."""
-    if out is not None and (a.dtype == dtype or not a.flags.c_contiguous):
-        out[...] = a
+    compiled = a.flags.c_contiguous and {a.dtype, dtype} == {BFLOAT16, _FLOAT32}
+    if out is not None and not compiled:
+        out[...] = a  # NumPy's cast (a copy where the dtypes are one)
         return out
     if a.dtype == dtype:
         return a
-    if not a.flags.c_contiguous or {a.dtype, dtype} != {BFLOAT16, _FLOAT32}:
+    if not compiled:
         return a.astype(dtype)
     if out is None:
         out = np.empty(a.shape, dtype)
