@@ -64,9 +64,7 @@ def kernels_per_step(step, steps: int) -> dict[str, tuple[float, float]]:
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        us = getattr(e, "self_device_time_total", None)
-        if us is None:
-            us = e.self_cuda_time_total
+        us = e.time_range.elapsed_us()  # a kernel's (or copy's) own span on the GPU
         entry = out.setdefault(e.name, [0.0, 0.0])
         entry[0] += us / steps
         entry[1] += 1 / steps
