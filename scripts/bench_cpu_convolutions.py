@@ -4,7 +4,7 @@ beside ours (conv2d.cpu.conv) and beside the BLAS matrix product alone that ours
 built on, the floor of an im2col convolution.
 
     python scripts/bench_cpu_convolutions.py [--networks digits_cnn,nature_dqn,impala_cnn,mobilenet_v2]
-        [--threads 1] [--rounds 5] [--iters 5] [--out DIR]
+        [--threads 1] [--batch N] [--rounds 5] [--iters 5] [--out DIR]
 
 Per convolution, milliseconds a call (wall clock, the median of `--rounds` rounds, each
 timing PyTorch, ours and the product in turn for `--iters` calls): the forward, and the
@@ -16,6 +16,8 @@ sides run `--threads` threads, ours on PyTorch's OpenMP team as the module's cal
 (conv2d.cpu.threads). GFLOP/s counts 2 x multiply-adds. A network's line sums its
 convolutions. Where "product" alone is slower than PyTorch's whole forward, no im2col
 convolution on this BLAS can match PyTorch's there, whatever the overhead around it.
+`--batch N`: every network at batch N instead (`--batch 1`: the acting calls' shapes;
+the table is then bench_cpu_convolutions_batch1.md).
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--networks", default=",".join(CPU_NETWORKS))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch", type=int, default=None, help="instead of each network's training batch")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", default=None, help="a folder to write bench_cpu_convolutions.md in")
@@ -120,7 +123,7 @@ def main() -> None:
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name in args.networks.split(","):
         total = {"torch f": 0.0, "ours f": 0.0, "product": 0.0, "torch b": 0.0, "ours b": 0.0, "flop": 0.0}
-        for conv, shape, input_grad in convolutions(name, CPU_TRAIN_BATCH.get(name, NETWORKS[name][1])):
+        for conv, shape, input_grad in convolutions(name, args.batch or CPU_TRAIN_BATCH.get(name, NETWORKS[name][1])):
             calls = sides(conv, shape, input_grad)
             found = {(part, side): [] for part, c in calls.items() for side, f in c.items() if f is not None}
             for _ in range(args.rounds):
@@ -149,8 +152,10 @@ def main() -> None:
                      f"{total['ours f'] / total['torch f']:.2f} | | {total['ours b'] / total['torch b']:.2f} |")
         print(lines[-1], flush=True)
     if args.out:
-        write_table(args.out, "bench_cpu_convolutions.md", "conv2d: the CPU networks' convolutions, PyTorch's "
-                    "(oneDNN) vs the cpu backend's and its BLAS product alone", lines, gpu=False,
+        at = "" if args.batch is None else f"_batch{args.batch}"
+        write_table(args.out, f"bench_cpu_convolutions{at}.md", "conv2d: the CPU networks' convolutions, PyTorch's "
+                    "(oneDNN) vs the cpu backend's and its BLAS product alone"
+                    + ("" if args.batch is None else f", at batch {args.batch}"), lines, gpu=False,
                     intro=f"Milliseconds a call at {args.threads} thread(s); scripts/bench_cpu_convolutions.py's "
                           "docstring says how. \"product\": the forward's matrix product alone, the floor of an "
                           "im2col convolution on NumPy's BLAS.")

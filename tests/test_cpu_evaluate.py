@@ -38,8 +38,9 @@ LAYERS = {
     "batch_invariant": dict(in_channels=4, out_channels=5, kernel=3, padding=1, normalization="batch_norm",
                             batch_invariant=True, activation="relu"),
 }
-# One sample of 9x7 (the small im2col), and 16 samples of 33x31 (NumPy's windows, blocks).
-SIZES = {"acting": (1, 9, 7), "batch": (16, 33, 31)}
+# One sample of 9x7 (the small im2col), one of 33x31 (NumPy's windows, one block) and 16
+# samples of 33x31 (NumPy's windows, blocks).
+SIZES = {"acting": (1, 9, 7), "acting_large": (1, 33, 31), "batch": (16, 33, 31)}
 
 
 def _arrays(spec: LayerSpec) -> tuple[dict, dict, np.ndarray]:
