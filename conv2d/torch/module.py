@@ -237,7 +237,7 @@ class Conv2dNormActivation(nn.Module):
         # .to(), .cuda(), .double(), ... give the parameters new memory: drop the views of
         # the old (they would keep it alive until the next call noticed).
         self._views = eager.ParameterViews()
-        self.__dict__.pop("_alone", None)  # conv2d.torch.runs.act_alone's run: graphs of the old memory
+        self.__dict__.pop("_alone", None)  # conv2d.torch.runs.act_alone's run: views of the old memory
         out = super()._apply(fn, recurse)
         self._refresh_op_key()
         return out
@@ -431,7 +431,8 @@ class Conv2dNormActivation(nn.Module):
         if torch.jit.is_tracing():
             raise TypeError("torch.jit.trace: Conv2dNormActivation's calls are not traceable into TorchScript; "
                             "use torch.compile, or torch.export for a program to deploy")
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if not torch.is_grad_enabled() and type(x) is torch.Tensor and not x.is_cuda and (
+                not torch.compiler.is_compiling()):  # on a GPU the layer's own graphs replay
             from conv2d.torch.runs import act_alone  # runs imports this module
 
             y = act_alone(self, x)

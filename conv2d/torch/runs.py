@@ -15,8 +15,8 @@ What a run cannot do in one node it does layer by layer, as `nn.Sequential` woul
 torch.compile, torch.jit, torch.autocast, for tensor subclasses, an empty batch,
 `momentum=None`, or a layer with forward hooks; the results are the same.
 
-A lone layer's call without gradients runs as a run of one (`act_alone`), so that acting
-again through it is a kept call too.
+On the host, a lone layer's call without gradients runs as a run of one (`act_alone`), so
+that acting again through it is a kept call too.
 """
 
 from __future__ import annotations
@@ -292,12 +292,15 @@ def _backward_graphed(run: RunCall, layers: list, inputs: list, d_y: Tensor, wan
 
 
 def act_alone(layer: Conv2dNormActivation, x: Any) -> Optional[Tensor]:
-    """A lone layer's call without gradients, as a run of the layer alone (a Conv2dRun
-    the layer holds outside its modules, so its state_dict and `modules()` are unchanged):
-    acting again while the run's stamp holds is the run's kept call (prepared evaluates
-    on the host, a graph replay on a GPU), not the layer's set-up anew (on the CPU about
-    15 us a call, a small layer's whole time). None where a run cannot take the call
-    (`Conv2dRun._one_node`: autocast, hooks, an empty batch, ...): the layer runs it."""
+    """A lone layer's call without gradients on the host, as a run of the layer alone (a
+    Conv2dRun the layer holds outside its modules, so its state_dict and `modules()` are
+    unchanged): acting again while the run's stamp holds is the run's kept call (the
+    prepared evaluates), not the layer's set-up anew (on the CPU about 15 us a call, a
+    small layer's whole time). None where a run cannot take the call
+    (`Conv2dRun._one_node`: autocast, hooks, an empty batch, ...): the layer runs it. Not
+    on a GPU: there the layer's own call graphs replay already, and a run of one measured
+    no faster (IMPALA's acting, whose lone layers are three, at 1.30 of PyTorch's time
+    either way), while its graphs were a second set beside the layer's."""
     run = layer.__dict__.get("_alone")
     if run is None:
         run = layer.__dict__["_alone"] = Conv2dRun(layer)  # not setattr: no child module
