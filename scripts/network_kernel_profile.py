@@ -11,7 +11,8 @@ well below step, the GPU waits on the host (docs/network_host_profile_cuda.txt s
 what); where it is close, the kinds' rows are what the step costs. Kinds, by kernel
 name: "convolution" (cuDNN's, PyTorch's and ours alike), "ours (numba)" (this
 library's numba kernels: norm, bias gradient, activations, depthwise), "batch norm"
-(PyTorch's), "matmul" (the Linear layers), "optimizer" (Adam's foreach kernels),
+(PyTorch's), "matmul" (the Linear layers, and any kernel of cuDNN's named for a
+matrix product without fprop/dgrad/wgrad in its name), "optimizer" (Adam's foreach kernels),
 "memcpy/memset", and "other" (PyTorch's elementwise, pooling, reductions, the loss).
 The module's call graphs (conv2d.torch.graphs) replay in the timed steps as in a
 training loop; `--launch` turns them off (every call launches), for a profiler that does
@@ -32,7 +33,9 @@ from bench_shapes import write_table
 import torch
 
 KINDS = ("convolution", "ours (numba)", "batch norm", "matmul", "optimizer", "memcpy/memset", "other")
-_OURS = re.compile(r"\d+conv2d\d")  # numba's mangled names carry the module path: _ZN6conv2d4cuda...
+# numba's kernel names carry the module path: conv2d::cuda::kernels::... as the profiler
+# demangles them (_ZN6conv2d4cuda... where it does not).
+_OURS = re.compile(r"conv2d(::|\d)")
 
 
 def kind(name: str) -> str:
@@ -40,10 +43,10 @@ def kind(name: str) -> str:
     n = name.lower()
     if _OURS.search(name):
         return "ours (numba)"
+    if "batch_norm" in n or "batchnorm" in n or "bn_fw" in n or "bn_bw" in n:  # cudnn::bn_fw_tr_... too
+        return "batch norm"
     if any(k in n for k in ("fprop", "dgrad", "wgrad", "conv", "implicit", "winograd", "cudnn", "depthwise")):
         return "convolution"
-    if "batch_norm" in n or "batchnorm" in n or "bn_fw" in n or "bn_bw" in n:
-        return "batch norm"
     if "gemm" in n or "gemv" in n or "cublas" in n or "cutlass" in n:
         return "matmul"
     if "multi_tensor" in n or "foreach" in n:
