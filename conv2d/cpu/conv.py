@@ -178,21 +178,13 @@ def forward_function(x_shape: tuple[int, int, int, int], w: np.ndarray, stride: 
         # One block, NumPy's copy of the windows (conv_forward's), the window view's
         # strides worked out here: on IMPALA's acting calls the per-call shape work was
         # about a tenth of a layer's time.
-        padded_shape, (h, w_in) = (n, *padded, c), x_shape[1:3]
         item = w.itemsize
         view = ((n, oh, ow, kh, kw, c),
                 (padded[0] * padded[1] * c * item, sh * padded[1] * c * item, sw * c * item,
                  dh * padded[1] * c * item, dw * c * item, item))
 
         def forward_windows(x: np.ndarray) -> np.ndarray:
-            if mode != "zeros":
-                xp = pad(x, padding, mode)
-            elif padded_shape == x.shape:
-                xp = x
-            else:
-                xp = np.zeros(padded_shape, w.dtype)
-                xp[:, top:top + h, left:left + w_in] = x
-            cols = np.ndarray(view[0], w.dtype, xp, 0, view[1]).reshape(rows, width)
+            cols = np.ndarray(view[0], w.dtype, pad(x, padding, mode), 0, view[1]).reshape(rows, width)
             y = np.empty((rows, oc), w.dtype)
             np.matmul(cols, w_t, out=y)
             return y.reshape(n, oh, ow, oc)
