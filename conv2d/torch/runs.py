@@ -304,10 +304,9 @@ def act_alone(layer: Conv2dNormActivation, x: Any) -> Optional[Tensor]:
     run = layer.__dict__.get("_alone")
     if run is None:
         run = layer.__dict__["_alone"] = Conv2dRun(layer)  # not setattr: no child module
-    acting = run._acting
-    if acting is not None and run._stamp(x) == acting.stamp:
-        refuse_function_transforms(x)
-        return _act(x, acting)
+    y = run._act_again(x)[1]
+    if y is not None:
+        return y
     if not run._one_node(x, [layer]):
         return None
     return run.forward(x)
@@ -345,12 +344,9 @@ class Conv2dRun(nn.Sequential):
     def forward(self, x: Tensor) -> Tensor:
         stamp = None
         if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # Acting again: the same call while nothing it rests on changed.
-            stamp = self._stamp(x)
-            acting = self._acting
-            if acting is not None and stamp == acting.stamp:
-                refuse_function_transforms(x)
-                return _act(x, acting)
+            stamp, y = self._act_again(x)
+            if y is not None:
+                return y
         layers = list(self._modules.values())
         if not self._one_node(x, layers):
             return super().forward(x)
@@ -402,6 +398,16 @@ class Conv2dRun(nn.Sequential):
         for layer, norm, running_mean, training in counted:
             eager.count_batch(y, norm, running_mean, training)
         return y.permute(0, 3, 1, 2) if nchw else y
+
+    def _act_again(self, x: Any) -> tuple[tuple, Optional[Tensor]]:
+        """(the stamp of this call without gradients, y through the kept call where the
+        stamp is the kept call's: the same call while nothing it rests on changed; else None)."""
+        stamp = self._stamp(x)
+        acting = self._acting
+        if acting is not None and stamp == acting.stamp:
+            refuse_function_transforms(x)
+            return stamp, _act(x, acting)
+        return stamp, None
 
     def _stamp(self, x: Any) -> tuple:
         """What a kept call without gradients rests on: x's type, shape, dtype, device and
