@@ -168,5 +168,6 @@ def main() -> None:
                     "time, ours vs PyTorch", lines, True, "Per step, averaged over the profiled steps; "
                     "scripts/network_kernel_profile.py's docstring says how.")
 
+
 if __name__ == "__main__":
     main()
