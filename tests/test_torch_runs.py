@@ -6,6 +6,7 @@ one node cannot do runs layer by layer; bad layers and inputs are refused before
 runs; `swap` groups a Sequential's consecutive chains into runs."""
 
 import copy
+import pickle
 
 import pytest
 
@@ -211,6 +212,27 @@ def test_a_lone_layers_acting_is_kept_outside_its_modules_and_state_dict(place):
     assert len(list(layer.parameters())) == 4
     with torch.no_grad():
         assert torch.equal(copy.deepcopy(layer)(x), again)
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))], ids=["deepcopy", "pickle"])
+@pytest.mark.parametrize("place", PLACES)
+def test_a_copy_made_after_calls_acts_as_the_original_and_stays_apart_from_it(place, copier):
+    """A DQN's target network: a deep copy (or pickle) of a model that has trained and acted,
+    its caches filled (functions, call graphs, views of its memory, kept calls), acts
+    bitwise as the original, and changing the original's parameters leaves it as it was."""
+    seq, run = pair(place, torch.float32)
+    x = sample(place, torch.float32)
+    for model in (seq[0], seq, run):
+        step(model, x)
+        model.eval()
+        with torch.no_grad():
+            model(x)
+            acted = model(x)
+            target = copier(model)
+            assert torch.equal(target(x), acted)
+            for p in model.parameters():
+                p.add_(1.0)
+            assert torch.equal(target(x), acted) and not torch.equal(model(x), acted)
 
 
 @pytest.mark.parametrize("other", ["shape", "memory_format", "dtype"])

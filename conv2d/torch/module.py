@@ -242,6 +242,14 @@ class Conv2dNormActivation(nn.Module):
         self._refresh_op_key()
         return out
 
+    def __getstate__(self) -> dict:
+        # copy.deepcopy and pickle: the caches (functions holding cuDNN plans and device
+        # memory, views of this module's memory, the kept acting call) stay behind; a copy
+        # makes its own on its first call.
+        state = {**super().__getstate__(), "_functions": {}, "_views": eager.ParameterViews()}
+        state.pop("_alone", None)
+        return state
+
     def extra_repr(self) -> str:
         s = self._spec
         return (f"{s.in_channels}, {s.out_channels}, kernel_size={s.kernel}, stride={s.stride}, "

@@ -341,6 +341,9 @@ class Conv2dRun(nn.Sequential):
         self._acting = None
         return super()._apply(fn, recurse)
 
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_graphs": {}, "_acting": None}  # as the layers': caches stay behind
+
     def forward(self, x: Tensor) -> Tensor:
         stamp = None
         if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
