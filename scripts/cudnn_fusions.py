@@ -34,7 +34,7 @@ import torch
 from bench_shapes import write_table
 
 # (name, N, C, H, OC, kernel, stride, padding): layers of scripts/bench_networks.py's
-# networks at their GPU training batches (../shared/BENCH.md).
+# networks at their GPU training batches (docs/bench_shapes.md).
 SHAPES = [("nature 32->64 4x4/2", 32, 32, 20, 64, 4, 2, 0),
           ("impala 32->32 3x3", 256, 32, 16, 32, 3, 1, 1),
           ("mobilenet 16->96 1x1", 128, 16, 32, 96, 1, 1, 0),
