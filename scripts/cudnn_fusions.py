@@ -11,11 +11,11 @@ PyTorch's ops for the rest.
 
 Fusions (the patterns of the cuDNN frontend's samples and NVIDIA's fused ResNet blocks):
   conv_bias_relu      fprop + bias + ReLU, y only (the layer's evaluate without a norm)
-  conv_bias_pre_relu  fprop + bias kept (the pre-activations a backward needs) and its ReLU
   conv_genstats       fprop, and batch norm's per-channel sum and sum of squares (genstats)
   sbr_conv_genstats   scale + bias + ReLU of the input (the previous layer's norm applied
                       in the prologue), fprop, genstats
   dgrad_drelu         dgrad, times the ReLU derivative of the previous layer's output
+  conv_bias_pre_relu  fprop + bias kept (the pre-activations a backward needs) and its ReLU
 A row's status says where a fusion stopped: "no plan" (no deterministic engine passed
 check_support or build), "execute failed", or "ok"; "error" is the largest absolute
 difference from float64 over the largest absolute reference value; "fused / unfused" the
@@ -35,12 +35,13 @@ from bench_shapes import write_table
 
 # (name, N, C, H, OC, kernel, stride, padding): layers of scripts/bench_networks.py's
 # networks at their GPU training batches (docs/bench_shapes.md).
-SHAPES = [("nature 32->64 4x4/2", 32, 32, 20, 64, 4, 2, 0),
-          ("impala 32->32 3x3", 256, 32, 16, 32, 3, 1, 1),
+SHAPES = [("impala 32->32 3x3", 256, 32, 16, 32, 3, 1, 1),
           ("mobilenet 16->96 1x1", 128, 16, 32, 96, 1, 1, 0),
-          ("cifar 64->64 3x3", 128, 64, 32, 64, 3, 1, 1),
-          ("cifar 128->128 3x3", 128, 128, 16, 128, 3, 1, 1)]
-FUSIONS = ("conv_bias_relu", "conv_bias_pre_relu", "conv_genstats", "sbr_conv_genstats", "dgrad_drelu")
+          ("cifar 64->64 3x3", 128, 64, 32, 64, 3, 1, 1)]
+# conv_bias_pre_relu last: its engine failed at execute before (conv2d/cuda/cudnn.py), and
+# a failure that left the context broken would stop only the rows after it.
+FUSIONS = ("conv_bias_relu", "conv_genstats", "sbr_conv_genstats", "dgrad_drelu", "conv_bias_pre_relu")
+_LONE: dict = {}  # (dgrad?, shape, dtype) -> the lone convolution's (execute, output)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -187,7 +188,10 @@ def unfused(cudnn: Any, handle: Any, fusion: str, shape: tuple, dtype: torch.dty
     """The work the fusion replaces: the lone convolution graph (fprop, or dgrad) and
     PyTorch's ops for the rest."""
     t = _inputs(shape, dtype)
-    run_conv, out = _lone_convolution(cudnn, handle, fusion, shape, dtype)
+    key = (fusion == "dgrad_drelu", shape, dtype)
+    if key not in _LONE:
+        _LONE[key] = _lone_convolution(cudnn, handle, fusion, shape, dtype)
+    run_conv, out = _LONE[key]
 
     def rest() -> None:
         if fusion == "dgrad_drelu":
