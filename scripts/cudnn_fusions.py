@@ -16,8 +16,10 @@ Fusions (the patterns of the cuDNN frontend's samples and NVIDIA's fused ResNet 
                       in the prologue), fprop, genstats
   dgrad_drelu         dgrad, times the ReLU derivative of the previous layer's output
   conv_bias_pre_relu  fprop + bias kept (the pre-activations a backward needs) and its ReLU
-A row's status says where a fusion stopped: "no plan" (no deterministic engine passed
-check_support or build), "execute failed", or "ok"; "error" is the largest absolute
+Each fusion is measured in a process of its own (`--here`: in this one), so that an
+engine that breaks the CUDA context loses only its own fusion's later rows. A row's
+status says where a fusion stopped: "no plan" (no deterministic engine passed
+check_support or build), "execute failed", "process died", or "ok"; "error" is the largest absolute
 difference from float64 over the largest absolute reference value; "fused / unfused" the
 ratio of GPU times by CUDA events (each the median of 3 rounds of --iters executions).
 """
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -271,27 +275,61 @@ def _short(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:90] if str(e) else ''}".replace("|", "/")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtypes", default="float32,bfloat16,float16")
-    ap.add_argument("--fusions", default=",".join(FUSIONS))
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+def rows_of(fusion: str, dtypes: list[str], iters: int) -> list[str]:
+    """The table rows of one fusion, measured in this process."""
     from conv2d.cuda.cudnn import import_cudnn
 
     cudnn = import_cudnn()
     handle = cudnn.create_handle()
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    rows = []
+    for shape in SHAPES:
+        for name in dtypes:
+            cells = measure(cudnn, handle, fusion, shape, DTYPES[name], iters)
+            rows.append(f"| {fusion} | {shape[0]} | {name} | " + " | ".join(cells) + " |")
+            print(rows[-1], flush=True)
+    return rows
+
+
+def isolated_rows(fusion: str, dtypes: list[str], iters: int) -> list[str]:
+    """rows_of(fusion) in a process of its own: an engine that breaks the CUDA context
+    (a failed execute can) takes only its own fusion's later rows with it, which are
+    then reported as lost with the process's exit status."""
+    done = subprocess.run([sys.executable, __file__, "--fusions", fusion, "--dtypes", ",".join(dtypes),
+                           "--iters", str(iters), "--here"], capture_output=True, text=True)
+    rows = [line for line in done.stdout.splitlines() if line.startswith(f"| {fusion} |")]
+    print(done.stdout, end="", flush=True)
+    if done.returncode != 0:
+        print(done.stderr[-2000:], file=sys.stderr)
+        measured = {tuple(c.strip() for c in row.split("|")[2:4]) for row in rows}
+        lost = [f"| {fusion} | {shape[0]} | {name} | process died (exit {done.returncode}) | - | - | - | - | - | - "
+                f"| - |" for shape in SHAPES for name in dtypes if (shape[0], name) not in measured]
+        print("\n".join(lost), flush=True)
+        rows += lost
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", default="float32,bfloat16,float16")
+    ap.add_argument("--fusions", default=",".join(FUSIONS))
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--here", action="store_true", help="measure in this process (default: a process a fusion)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dtypes = args.dtypes.split(",")
     lines = ["| fusion | layer | dtype | status | plans | plan (or why not) | error | bitwise repeat | fused ms "
              "| unfused ms | fused / unfused |", "| --- | --- | --- | --- | ---: | --- | ---: | --- | ---: | ---: | ---: |"]
     for fusion in args.fusions.split(","):
-        for shape in SHAPES:
-            for name in args.dtypes.split(","):
-                cells = measure(cudnn, handle, fusion, shape, DTYPES[name], args.iters)
-                lines.append(f"| {fusion} | {shape[0]} | {name} | " + " | ".join(cells) + " |")
-                print(lines[-1], flush=True)
-    print(f"cuDNN {cudnn.backend_version_string()}")
+        lines += (rows_of if args.here else isolated_rows)(fusion, dtypes, args.iters)
+    if args.here:
+        return
+    from conv2d.cuda.cudnn import import_cudnn
+
+    try:
+        print(f"cuDNN {import_cudnn().backend_version_string()}")
+    except Exception as e:  # no GPU here: every row says its process died
+        print(f"cuDNN unavailable ({type(e).__name__})")
     if args.out:
         write_table(args.out, "cudnn_fusions_cuda.md", "conv2d: cuDNN's runtime fusions on this GPU, deterministic "
                     "engines only", lines, gpu=True, intro=__doc__.split("\n\n")[0].replace("\n", " "))

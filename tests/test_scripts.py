@@ -47,6 +47,16 @@ def test_the_host_overhead_script_runs_in_the_simulator():
     assert "this | step | batch_norm |" in out
 
 
+def test_the_fusion_probe_reports_the_rows_a_dead_process_did_not_measure():
+    """Each fusion runs in a process of its own; one that dies (here: no GPU) leaves a row
+    per case saying so, and the probe goes on to the next fusion."""
+    pytest.importorskip("torch")
+    out = run_script(ROOT / "scripts" / "cudnn_fusions.py", "--fusions", "conv_genstats,dgrad_drelu", "--dtypes",
+                     "float32", "--iters", "1", timeout=300).stdout
+    for fusion in ("conv_genstats", "dgrad_drelu"):
+        assert f"| {fusion} | impala 32->32 3x3 | float32 | process died (exit 1) |" in out
+
+
 def test_the_networks_benchmark_runs_on_the_cpu_with_the_module_swapped_in(tmp_path):
     pytest.importorskip("torch")
     out = run_script(ROOT / "scripts" / "bench_networks.py", "--device", "cpu", "--networks", "nature_dqn",
