@@ -83,17 +83,24 @@ def _conv64(x: torch.Tensor, w: torch.Tensor, stride: int, pad: int) -> torch.Te
     return torch.nn.functional.conv2d(x.double(), w.double(), stride=stride, padding=pad)
 
 
-def build_case(cudnn: Any, handle: Any, fusion: str, shape: tuple, dtype: torch.dtype) -> Case:
-    """The frontend graph of `fusion` at `shape`, validated and its operation graph built
-    (plans not yet made), with its inputs, outputs and float64 reference."""
+def _graph(cudnn: Any, handle: Any, shape: tuple, dtype: torch.dtype) -> tuple:
+    """(a new frontend graph, its inputs, a function that declares input `role` in it, the
+    convolution's geometry, the io and float32 data types)."""
     _, n, c, h, oc, k, stride, pad = shape
     t = _inputs(shape, dtype)
     io, f32 = _cudnn_type(cudnn, dtype), cudnn.data_type.FLOAT
     g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
-    geometry = dict(padding=[pad, pad], stride=[stride, stride], dilation=[1, 1])
 
     def tensor(role: str) -> Any:
         return g.tensor(name=role, dim=list(t[role].size()), stride=list(t[role].stride()), data_type=io)
+    return g, t, tensor, dict(padding=[pad, pad], stride=[stride, stride], dilation=[1, 1]), io, f32
+
+
+def build_case(cudnn: Any, handle: Any, fusion: str, shape: tuple, dtype: torch.dtype) -> Case:
+    """The frontend graph of `fusion` at `shape`, validated and its operation graph built
+    (plans not yet made), with its inputs, outputs and float64 reference."""
+    _, n, c, h, oc, k, stride, pad = shape
+    g, t, tensor, geometry, io, f32 = _graph(cudnn, handle, shape, dtype)
     roles = {}
     ref: dict[str, torch.Tensor] = {}
     if fusion == "dgrad_drelu":
@@ -216,13 +223,7 @@ def unfused(cudnn: Any, handle: Any, fusion: str, shape: tuple, dtype: torch.dty
 
 def _lone_convolution(cudnn: Any, handle: Any, fusion: str, shape: tuple, dtype: torch.dtype) -> tuple:
     _, n, c, h, oc, k, stride, pad = shape
-    t = _inputs(shape, dtype)
-    io, f32 = _cudnn_type(cudnn, dtype), cudnn.data_type.FLOAT
-    g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
-    geometry = dict(padding=[pad, pad], stride=[stride, stride], dilation=[1, 1])
-
-    def tensor(role: str) -> Any:
-        return g.tensor(name=role, dim=list(t[role].size()), stride=list(t[role].stride()), data_type=io)
+    g, t, tensor, geometry, io, f32 = _graph(cudnn, handle, shape, dtype)
     if fusion == "dgrad_drelu":
         roles = {"dy": tensor("dy"), "w": tensor("w")}
         out = g.conv_dgrad(loss=roles["dy"], filter=roles["w"], **geometry)
