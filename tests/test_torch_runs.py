@@ -168,6 +168,21 @@ def with_gradients(model, x):
         return model(x).detach()
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("place", PLACES)
+def test_a_kept_call_gives_the_layers_output_in_its_dtype_layout_and_strides(place, dtype, layout):
+    """Acting again through a run's kept call (on the host: NumPy views in and out, bfloat16
+    through its bits) gives bitwise the call with gradients, the same shape and strides."""
+    _, run = pair(place, dtype, layout=layout)
+    run.eval()
+    x = sample(place, dtype, layout)
+    want = with_gradients(run, x)
+    with torch.no_grad():
+        for y in (run(x), run(x)):
+            assert torch.equal(y, want) and y.dtype == want.dtype and y.stride() == want.stride()
+
+
 @pytest.mark.parametrize("change", ACTING_CHANGES)
 @pytest.mark.parametrize("place", PLACES)
 def test_acting_again_after_a_change_gives_what_the_layers_in_turn_give(place, change):
