@@ -16,6 +16,7 @@ Fusions (the patterns of the cuDNN frontend's samples and NVIDIA's fused ResNet 
                       in the prologue), fprop, genstats
   dgrad_drelu         dgrad, times the ReLU derivative of the previous layer's output
   conv_bias_pre_relu  fprop + bias kept (the pre-activations a backward needs) and its ReLU
+
 Each fusion is measured in a process of its own (`--here`: in this one), so that an
 engine that breaks the CUDA context loses only its own fusion's later rows. A row's
 status says where a fusion stopped: "no plan" (no deterministic engine passed
@@ -332,8 +333,10 @@ def main() -> None:
     except Exception as e:  # no GPU here: every row says its process died
         print(f"cuDNN unavailable ({type(e).__name__})")
     if args.out:
+        parts = __doc__.strip().split("\n\n")  # what it measures, usage, the fusions, how to read a row
+        intro = "\n\n".join([parts[0].replace("\n", " "), "```\n" + parts[2] + "\n```", parts[3].replace("\n", " ")])
         write_table(args.out, "cudnn_fusions_cuda.md", "conv2d: cuDNN's runtime fusions on this GPU, deterministic "
-                    "engines only", lines, gpu=True, intro=__doc__.split("\n\n")[0].replace("\n", " "))
+                    "engines only", lines, gpu=True, intro=intro)
 
 
 if __name__ == "__main__":
