@@ -46,7 +46,7 @@ SHAPES = [("impala 32->32 3x3", 256, 32, 16, 32, 3, 1, 1),
 # conv_bias_pre_relu last: its engine failed at execute before (conv2d/cuda/cudnn.py), and
 # a failure that left the context broken would stop only the rows after it.
 FUSIONS = ("conv_bias_relu", "conv_genstats", "sbr_conv_genstats", "dgrad_drelu", "conv_bias_pre_relu")
-_LONE: dict = {}  # (dgrad?, shape, dtype) -> the lone convolution's (execute, output)
+_LONE: dict = {}  # (dgrad?, shape, dtype) -> the lone convolution's (execute, output, inputs)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -143,9 +143,7 @@ def build_case(cudnn: Any, handle: Any, fusion: str, shape: tuple, dtype: torch.
             sq.set_output(True).set_data_type(f32)
             roles["sum"], roles["sq_sum"] = s, sq
             ref["sum"], ref["sq_sum"] = z64.sum((0, 2, 3), keepdim=True), (z64 * z64).sum((0, 2, 3), keepdim=True)
-        y_like = torch.empty(tuple(ref["y"].shape), dtype=dtype, device="cuda").contiguous(
-            memory_format=torch.channels_last)
-        bound_out = {r: torch.empty_like(y_like) for r in ("y", "pre") if r in roles}
+        bound_out = {r: torch.empty_like(t["dy"]) for r in ("y", "pre") if r in roles}  # dy: y's shape and layout
         bound_out.update({r: torch.zeros((1, oc, 1, 1), dtype=torch.float32, device="cuda")
                           for r in ("sum", "sq_sum") if r in roles})
     g.validate()
@@ -199,11 +197,10 @@ def gpu_ms(fn: Callable[[], None], iters: int) -> float:
 def unfused(cudnn: Any, handle: Any, fusion: str, shape: tuple, dtype: torch.dtype) -> Callable[[], None]:
     """The work the fusion replaces: the lone convolution graph (fprop, or dgrad) and
     PyTorch's ops for the rest."""
-    t = _inputs(shape, dtype)
     key = (fusion == "dgrad_drelu", shape, dtype)
     if key not in _LONE:
         _LONE[key] = _lone_convolution(cudnn, handle, fusion, shape, dtype)
-    run_conv, out = _LONE[key]
+    run_conv, out, t = _LONE[key]
 
     def rest() -> None:
         if fusion == "dgrad_drelu":
@@ -223,8 +220,8 @@ def unfused(cudnn: Any, handle: Any, fusion: str, shape: tuple, dtype: torch.dty
 
 
 def _lone_convolution(cudnn: Any, handle: Any, fusion: str, shape: tuple, dtype: torch.dtype) -> tuple:
-    _, n, c, h, oc, k, stride, pad = shape
-    g, t, tensor, geometry, io, f32 = _graph(cudnn, handle, shape, dtype)
+    """(execute, its output, its inputs) of the lone convolution a fusion is timed against."""
+    g, t, tensor, geometry, io, _ = _graph(cudnn, handle, shape, dtype)
     if fusion == "dgrad_drelu":
         roles = {"dy": tensor("dy"), "w": tensor("w")}
         out = g.conv_dgrad(loss=roles["dy"], filter=roles["w"], **geometry)
@@ -234,13 +231,12 @@ def _lone_convolution(cudnn: Any, handle: Any, fusion: str, shape: tuple, dtype:
         roles = {"x": tensor("x"), "w": tensor("w")}
         out = g.conv_fprop(image=roles["x"], weight=roles["w"], **geometry)
         out.set_output(True).set_data_type(io)
-        oh = (h + 2 * pad - k) // stride + 1
-        result = torch.empty((n, oc, oh, oh), dtype=dtype, device="cuda").contiguous(memory_format=torch.channels_last)
+        result = torch.empty_like(t["dy"])  # y's shape and layout
     g.validate()
     g.build_operation_graph()
     case = Case(g, {**roles, "out": out}, {**{r: t[r] for r in roles}, "out": result}, ["out"], {})
     make_plans(cudnn, case, dtype)
-    return executor(case, handle), result
+    return executor(case, handle), result, t
 
 
 def measure(cudnn: Any, handle: Any, fusion: str, shape: tuple, dtype: torch.dtype, iters: int) -> list[str]:
