@@ -47,14 +47,21 @@ def _windows(xp: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int],
     ~2 us a call of its own, a tenth of an acting layer's)."""
     if not xp.flags.c_contiguous:
         return windows(xp, kernel, stride, dilation)
-    n, hp, wp, c = xp.shape
-    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
-    oh, ow = _output_size((hp, wp), kernel, stride, dilation)
-    s_n, s_h, s_w, s_c = xp.strides
-    view = np.ndarray((n, oh, ow, kh, kw, c), xp.dtype, xp, 0,
-                      (s_n, sh * s_h, sw * s_w, dh * s_h, dw * s_w, s_c))
+    shape, strides = _window_layout(xp.shape, kernel, stride, dilation, xp.itemsize)
+    view = np.ndarray(shape, xp.dtype, xp, 0, strides)
     view.flags.writeable = False
     return view
+
+
+def _window_layout(padded_shape: tuple, kernel: tuple[int, int], stride: tuple[int, int],
+                   dilation: tuple[int, int], itemsize: int) -> tuple[tuple, tuple]:
+    """(shape, strides) of the windows view (N, OH, OW, KH, KW, C) of a C-contiguous padded
+    input of shape `padded_shape` (N, HP, WP, C)."""
+    n, hp, wp, c = padded_shape
+    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
+    oh, ow = _output_size((hp, wp), kernel, stride, dilation)
+    s_w, s_h = c * itemsize, wp * c * itemsize
+    return (n, oh, ow, kh, kw, c), (hp * s_h, sh * s_h, sw * s_w, dh * s_h, dw * s_w, itemsize)
 
 
 # Up to this many values the windows of one block are copied by conv_kernels.im2col (less
@@ -178,13 +185,10 @@ def forward_function(x_shape: tuple[int, int, int, int], w: np.ndarray, stride: 
         # One block, NumPy's copy of the windows (conv_forward's), the window view's
         # strides worked out here: on IMPALA's acting calls the per-call shape work was
         # about a tenth of a layer's time.
-        item = w.itemsize
-        view = ((n, oh, ow, kh, kw, c),
-                (padded[0] * padded[1] * c * item, sh * padded[1] * c * item, sw * c * item,
-                 dh * padded[1] * c * item, dw * c * item, item))
+        shape, strides = _window_layout((n, *padded, c), (kh, kw), stride, dilation, w.itemsize)
 
         def forward_windows(x: np.ndarray) -> np.ndarray:
-            cols = np.ndarray(view[0], w.dtype, pad(x, padding, mode), 0, view[1]).reshape(rows, width)
+            cols = np.ndarray(shape, w.dtype, pad(x, padding, mode), 0, strides).reshape(rows, width)
             y = np.empty((rows, oc), w.dtype)
             np.matmul(cols, w_t, out=y)
             return y.reshape(n, oh, ow, oc)
