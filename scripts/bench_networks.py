@@ -30,7 +30,8 @@ turns. `--torch-deterministic` (CUDA) times a third side in the same turns: PyTo
 restricts its cuDNN plans to deterministic ones as this library's always are (PyTorch's
 default lets backward-data and backward-filter take non-deterministic plans); its columns
 are its time and ours / it. `--out DIR` writes DIR/bench_networks_{cuda,cpu}.md with the
-provenance line.
+provenance line, after every row (marked unfinished until the run ends, so a run stopped by
+a time limit leaves its rows).
 
 A CUDA error (an illegal memory access) leaves the process's CUDA context unusable, so
 every row after it would fail too: after a row fails with one, each later row (and the
@@ -457,6 +458,17 @@ def main() -> None:
             f"{det_columns}\n| --- | --- | --- | --- | {'' if cuda else '---: | '}{'---: | ' * columns}".rstrip())
     lines = [head]
     print(head, flush=True)
+    title = "conv2d: whole networks, the module swapped in vs plain PyTorch"
+    intro = ("Ratios are ours / PyTorch (below 1: ours is faster); medians over rounds timed in turns "
+             "(scripts/bench_networks.py's docstring says how).")
+
+    def write(done: bool) -> None:
+        # After every row too, so a run stopped by a time limit leaves the rows it made,
+        # marked as an unfinished run's.
+        if args.out:
+            write_table(args.out, f"bench_networks_{args.device}.md", title, lines, cuda,
+                        intro if done else intro + " Unfinished: the run was stopped after the rows below.", say=done)
+
     alone = args.isolate  # each row in a process of its own: asked for, or since a CUDA error
     for name in args.networks.split(",") if set(rows) - {"loop"} else []:
         for row in (r for r in rows if r != "loop"):
@@ -469,6 +481,7 @@ def main() -> None:
                         line, alone = line
                         lines.append(line)
                         print(line, flush=True)
+                        write(False)
     if "loop" in rows:
         if alone:
             said = run_alone(args, "nature_dqn", precisions[0], modes[0], "loop")
@@ -477,11 +490,7 @@ def main() -> None:
         else:
             loop_lines = loop_table(args)
         lines += ["", *loop_lines]
-    if args.out:
-        write_table(args.out, f"bench_networks_{args.device}.md",
-                    "conv2d: whole networks, the module swapped in vs plain PyTorch", lines, cuda,
-                    "Ratios are ours / PyTorch (below 1: ours is faster); medians over rounds timed in turns "
-                    "(scripts/bench_networks.py's docstring says how).")
+    write(True)
 
 
 if __name__ == "__main__":

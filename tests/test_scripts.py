@@ -65,7 +65,33 @@ def test_the_networks_benchmark_runs_on_the_cpu_with_the_module_swapped_in(tmp_p
                      timeout=300).stdout
     assert "| nature_dqn | train | strict | eager |" in out and "| nature_dqn | act | strict | eager |" in out
     assert "failed" not in out
-    assert "Made by `python3 scripts/bench_networks.py" in (tmp_path / "tables" / "bench_networks_cpu.md").read_text()
+    table = (tmp_path / "tables" / "bench_networks_cpu.md").read_text()
+    assert "Made by `python3 scripts/bench_networks.py" in table and "Unfinished" not in table
+
+
+def test_a_networks_benchmark_stopped_midway_leaves_its_finished_rows_marked_unfinished(monkeypatch, tmp_path):
+    """A run stopped by a time limit (on the GPU machine, `timeout` kills it) keeps the rows
+    it made: the table is written after every row, marked unfinished until the run ends."""
+    pytest.importorskip("torch")
+    import bench_networks
+
+    made = []
+
+    def compare(name, precision, mode, row, args, threads="all"):
+        if made:
+            raise KeyboardInterrupt  # the second row: the run is stopped
+        made.append(row)
+        return {"ours": (1.0, 1.0), "torch": (2.0, 2.0)}
+    monkeypatch.setattr(bench_networks, "compare", compare)
+    monkeypatch.setattr(sys, "argv", ["bench_networks.py", "--device", "cpu", "--networks", "nature_dqn",
+                                      "--precisions", "strict", "--modes", "eager", "--threads", "1",
+                                      "--rows", "train,act", "--out", str(tmp_path)])
+    with pytest.raises(KeyboardInterrupt):
+        bench_networks.main()
+    table = (tmp_path / "bench_networks_cpu.md").read_text()
+    assert "Unfinished: the run was stopped after the rows below." in table
+    assert "| nature_dqn | train | strict | eager | 1 | 1.000 | 2.000 | 0.50 |" in table
+    assert "| nature_dqn | act |" not in table
 
 
 def test_the_network_layers_script_times_each_swapped_layer_of_the_digits_cnn_on_the_cpu():
