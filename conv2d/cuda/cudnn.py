@@ -3,9 +3,10 @@ library, handles, and the graphs the layer runs, built and cached.
 
 For a LayerSpec it builds, once per (spec, device, TF32 choice, plan choice), the graphs
 the layer runs: forward (convolution + bias, and convolution + bias + ReLU for evaluation
-without a norm), backward-data and backward-filter. (A forward graph writing both the
-pre-activations and their ReLU builds, but cuDNN 9.19's engine for it fails at execute
-with CUDNN_STATUS_INTERNAL_ERROR, so training keeps the ReLU in the numba pass.) Which
+without a norm), backward-data and backward-filter; for a 16-bit ReLU layer without a
+norm also forward_pre_relu, which writes the pre-activations and their ReLU in one graph
+(the training forward's two outputs; cuDNN 9.19's float32 engine for it fails at execute,
+docs/cudnn_fusions_cuda.md, so float32 keeps the ReLU in the numba pass). Which
 plan a graph runs is chosen by one of three policies (plan_choice.py: heuristics with an
 accuracy check, plan_heuristic.py; autotune, plan_autotune.py; one plan at every batch
 size, plan_invariant.py); executing a built graph is cudnn_execution.py's job.
@@ -149,13 +150,16 @@ def planned(op: str, spec: LayerSpec, handle: Any, allow_tf32: bool, config: Any
         dim, stride = d[role]
         return g.tensor(name=role, dim=dim, stride=stride, data_type=dtype)
 
-    if op in ("forward", "forward_relu"):
+    if op in ("forward", "forward_relu", "forward_pre_relu"):
         t = {"x": tensor("x"), "w": tensor("w")}
         out = g.conv_fprop(image=t["x"], weight=t["w"], **conv)
         if spec.bias:
             t["b"] = tensor("b")
             out = g.bias(input=out, bias=t["b"])
-        if op == "forward_relu":
+        if op == "forward_pre_relu":  # the pre-activations kept beside their ReLU
+            out.set_output(True).set_data_type(dt)
+            t["z"] = out
+        if op != "forward":
             out = g.relu(input=out)
         out.set_output(True).set_data_type(dt)
         t["y"] = out

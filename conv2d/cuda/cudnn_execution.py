@@ -87,16 +87,25 @@ class Convolutions:
 
     Arguments are numba device arrays, NHWC/C-contiguous, in the layer's storage format:
     `forward(x, w, b, y, relu)` writes y = [relu](conv(x, w) + b) (b None without bias);
+    `forward_pre_relu(x, w, b, z, y)` writes z = conv(x, w) + b and y = relu(z) in one
+    graph where `pre_relu` holds (else it writes nothing and returns False);
     `backward_data(d_z, w, d_x)` writes d_x; `backward_filter(x, d_z, d_w)` writes d_w
     (storage format too). `plans` names the cuDNN plan of each graph.
+
+    `pre_relu_fusion` asks for forward_pre_relu (16-bit ReLU layers without a norm: its
+    float32 engine fails at execute, docs/cudnn_fusions_cuda.md). Where its graph does not
+    build, or its first execute fails, `pre_relu` is False and the layer runs the
+    convolution and its activation pass apart (`pre_relu_failure` says why).
     """
 
     def __init__(self, cuda, spec: LayerSpec, handle: Any, stream_ptr: int, device: int, allow_tf32: bool,
-                 relu_fusion: bool, autotune: bool = False, fast_paths: bool = True) -> None:
+                 relu_fusion: bool, autotune: bool = False, fast_paths: bool = True,
+                 pre_relu_fusion: bool = False) -> None:
         self.cuda = cuda
         ops = ["forward", "backward_data", "backward_filter"]
         if relu_fusion:
             ops.append("forward_relu")
+        self.pre_relu_failure: str | None = None
         # One layer at a time builds its cuDNN resources: on the H200 two threads that
         # constructed layers together hung once, one in cudnnCreate, the other
         # allocating its workspace (tests/test_cuda_layer.py, two-thread test).
@@ -106,11 +115,19 @@ class Convolutions:
             probe = plan_invariant.InvarianceProbe(cuda, stream_ptr) if spec.batch_invariant else None
             accuracy = plan_heuristic.AccuracyProbe(cuda, stream_ptr) if spec.dtype is DType.FLOAT32 and not allow_tf32 else None
             self.graphs = {op: plan_choice.graph(op, spec, device, allow_tf32, self.handle, bench, probe, accuracy) for op in ops}
+            if pre_relu_fusion:
+                try:
+                    self.graphs["forward_pre_relu"] = plan_choice.graph("forward_pre_relu", spec, device, allow_tf32,
+                                                                        self.handle, bench, probe, accuracy)
+                except cudnn.CudnnError as e:  # no engine: the unfused pair stays
+                    self.pre_relu_failure = str(e)
             del probe, accuracy  # their buffers go back before the workspace is allocated
             size = max(g.workspace_size for g in self.graphs.values())
             self._workspace = cuda.device_array(max(size, 1), np.uint8)
         self.plans = {op: g.plan for op, g in self.graphs.items()}
         self.relu_fusion = relu_fusion
+        self.pre_relu = "forward_pre_relu" in self.graphs
+        self._pre_relu_ran = False
         self.workspace_ptr = device_pointer(self._workspace)
         self._executions = {op: Execution(g, self.handle, self.workspace_ptr, native=fast_paths)
                             for op, g in self.graphs.items()}
@@ -126,6 +143,23 @@ class Convolutions:
             self._run("forward_relu" if relu else "forward", x=x, w=w, y=y)
         else:
             self._run("forward_relu" if relu else "forward", x=x, w=w, b=b, y=y)
+
+    def forward_pre_relu(self, x, w, b, z, y) -> bool:
+        """z = conv(x, w) + b and y = relu(z) (b None without bias) in one graph; False
+        (nothing written) where the fused graph is not available."""
+        if not self.pre_relu:
+            return False
+        arrays = dict(x=x, w=w, z=z, y=y) if b is None else dict(x=x, w=w, b=b, z=z, y=y)
+        if self._pre_relu_ran:
+            self._run("forward_pre_relu", **arrays)
+            return True
+        try:
+            self._run("forward_pre_relu", **arrays)
+        except cudnn.CudnnError as e:  # its engine fails at execute: the unfused pair from now on
+            self.pre_relu, self.pre_relu_failure = False, str(e)
+            return False
+        self._pre_relu_ran = True
+        return True
 
     def backward_data(self, d_z, w, d_x) -> None:
         self._run("backward_data", dy=d_z, w=w, dx=d_x)

@@ -48,7 +48,7 @@ from conv2d.cuda.runtime import (as_stream, device_dtype, from_device_bits, numb
                                  simulating, stream_handle, to_device_bits, zero_fill)
 from conv2d.cuda.streams import Streams
 from conv2d.dtypes import storage_dtype
-from conv2d.spec import Activation, LayerSpec, Normalization
+from conv2d.spec import Activation, DType, LayerSpec, Normalization
 from conv2d.state import state_layout
 
 __all__ = ["Functions", "Saved"]
@@ -101,6 +101,11 @@ class Functions(OptimizerSteps):
         self.allow_tf32, self.autotune = allow_tf32, autotune
         own = as_stream(cuda, stream)
         self.relu_fusion = spec.normalization is Normalization.NONE and spec.activation is Activation.RELU
+        # The training forward's z and ReLU(z) in one cuDNN graph: 16-bit types only (the
+        # float32 engine fails at execute) and the fast kernels (the simple set is one
+        # kernel a reference step, to read and check against).
+        pre_relu = self.pre_relu_fusion = (self.relu_fusion and spec.dtype is not DType.FLOAT32
+                                           and kernels == "fast")
         handle = None
         if convolutions is None and not own_convolutions:
             handle = cudnn.create_handle(stream_handle(own))
@@ -110,7 +115,7 @@ class Functions(OptimizerSteps):
             # numba's frees would invalidate it).
             device, relu_fusion = cuda.get_current_device().id, self.relu_fusion
             convolutions = lambda s: cudnn_execution.Convolutions(  # noqa: E731
-                cuda, s, handle, stream_handle(own), device, allow_tf32, relu_fusion, autotune, fast_paths)
+                cuda, s, handle, stream_handle(own), device, allow_tf32, relu_fusion, autotune, fast_paths, pre_relu)
         self._handle = handle
         self.streams = Streams(cuda, own, stream is not None, handle)
         if own_convolutions:
@@ -248,7 +253,9 @@ class Functions(OptimizerSteps):
                                                                                        lib, x)
             if self.evaluate_kernel == "direct":
                 steps.direct_evaluate(self._k, plan, p, r, x_dev, y_dev)
-            elif self.relu_fusion:
+            elif self.relu_fusion and not getattr(plan.conv, "pre_relu", False):
+                # (A layer whose forward runs forward_pre_relu evaluates through it too, below,
+                # so that evaluate's y is bitwise its forward's: the two graphs' engines differ.)
                 steps.pre_activations(self._k, plan, p, x_dev, y_dev, relu=True)
             else:
                 steps.forward_steps(self._k, plan, p, r, x_dev, y_dev, plan.evaluate_buffers(), from_batch,

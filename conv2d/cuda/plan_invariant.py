@@ -124,7 +124,9 @@ class InvarianceProbe(DeviceInputs):
     def rows(self, op: str, spec: LayerSpec, tensors: dict, workspace: int, run: Any, first: int = 0) -> list[bytes]:
         """The output's samples, as bytes each, of running `run(pack, workspace_ptr)` on
         `spec`'s batch of inputs taken from sample `first` of the reference buffers."""
-        batched, out = ("dy", "dx") if op == "backward_data" else ("x", "y")
+        # forward_pre_relu: its pre-activations (the ReLU, one epilogue over them, would
+        # hide differences in negative values).
+        batched, out = ("dy", "dx") if op == "backward_data" else ("x", "z" if "z" in tensors else "y")
         in_shape, out_shape = ((spec.output_shape, spec.input_shape) if op == "backward_data"
                                else (spec.input_shape, spec.output_shape))
         itemsize = np.dtype(storage_dtype(spec.dtype)).itemsize
@@ -140,6 +142,9 @@ class InvarianceProbe(DeviceInputs):
             ptrs["b"] = device_pointer(self._buffer("b", spec.out_channels, spec.dtype))
         y = self.cuda.device_array(math.prod(out_shape) * itemsize, np.uint8, stream=self.stream)
         ptrs[out] = device_pointer(y)
+        if out == "z":
+            activated = self.cuda.device_array(math.prod(out_shape) * itemsize, np.uint8, stream=self.stream)
+            ptrs["y"] = device_pointer(activated)
         ws = self.cuda.device_array(max(workspace, 1), np.uint8, stream=self.stream)
         run({t: ptrs[role] for role, t in tensors.items()}, device_pointer(ws))
         self.stream.synchronize()

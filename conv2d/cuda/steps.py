@@ -10,7 +10,7 @@ over one input shape's plan (plans.ShapePlan) and device arrays:
 | grad_pre_activations + bias_backward | grad_pre_activations | norm_gradients (+ layer norm's partials), grad_pre_activations |
 | conv_backward_data (+ conv.unpad) | input_gradient | cuDNN backward-data (+ unpad_gradient) |
 | conv_backward_filter | weight_gradient | cuDNN backward-filter (+ accumulate_stored) |
-| forward | forward_steps | the forward's steps in order |
+| forward | forward_steps | the forward's steps in order (a 16-bit ReLU layer without a norm: cuDNN's forward_pre_relu writes z and y) |
 
 The kernels are kernels/fast.py's (or, with kernels="simple", kernels/simple.py's one
 kernel a reference step). Every launch is prepared once per plan under a `LaunchKey`
@@ -162,6 +162,9 @@ def forward_steps(k: Kernels, plan: ShapePlan, p: dict, r: dict | None, x: Any, 
     normalise and activate, into the saved (pre, mean, inv_std) arrays and y; returns
     whether the statistics came from the batch. `buffers` names the launches (LaunchKey)."""
     z, mean, inv_std = saved
+    if k.simple is None and getattr(plan.conv, "pre_relu", False) and \
+            plan.conv.forward_pre_relu(pad_input(k, plan, x), p["weights"], p.get("bias"), z, y):
+        return False  # z and y = ReLU(z) in one cuDNN graph; no norm, no statistics
     pre_activations(k, plan, p, x, z)
     if k.simple is not None:
         return simple.forward_steps(k.simple, k.spec, (plan.M, plan.C, plan.S, plan.groups), plan.scratch, p, r, z,
