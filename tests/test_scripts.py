@@ -18,9 +18,10 @@ def test_there_are_scripts_to_check():
     assert SCRIPTS
 
 
-def run_script(script: Path, *args: str, timeout: int = 120, returncode: int = 0) -> subprocess.CompletedProcess:
+def run_script(script: Path, *args: str, timeout: int = 120, returncode: int = 0,
+               **env_vars: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **env_vars)
     done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
                           timeout=timeout, cwd=ROOT)
     assert done.returncode == returncode, done.stderr[-2000:]
@@ -48,11 +49,12 @@ def test_the_host_overhead_script_runs_in_the_simulator():
 
 
 def test_the_fusion_probe_reports_the_rows_a_dead_process_did_not_measure():
-    """Each fusion runs in a process of its own; one that dies (here: no GPU) leaves a row
-    per case saying so, and the probe goes on to the next fusion."""
+    """Each fusion runs in a process of its own; one that dies (here: no GPU visible, on a
+    GPU machine too) leaves a row per case saying so, and the probe goes on to the next
+    fusion."""
     pytest.importorskip("torch")
     out = run_script(ROOT / "scripts" / "cudnn_fusions.py", "--fusions", "conv_genstats,dgrad_drelu", "--dtypes",
-                     "float32", "--iters", "1", timeout=300).stdout
+                     "float32", "--iters", "1", timeout=300, CUDA_VISIBLE_DEVICES="").stdout
     for fusion in ("conv_genstats", "dgrad_drelu"):
         assert f"| {fusion} | impala 32->32 3x3 | float32 | process died (exit 1) |" in out
 
