@@ -4,7 +4,7 @@ side by side in one process, timed in turns.
 
     python scripts/bench_networks.py [--device cuda|cpu] [--networks nature_dqn,impala_cnn,cifar_resnet]
         [--precisions default,strict,bfloat16] [--modes eager,graph,compile,reduce-overhead]
-        [--rows train,act,loop] [--rounds 5] [--iters 10] [--threads 1,all] [--out DIR] [--isolate]
+        [--rows train,act,loop] [--rounds 5] [--iters 10] [--threads 1,all] [--out DIR [--resume]] [--isolate]
         [--torch-deterministic] [--no-runs]
 
 Rows: the training step (forward, loss, backward, Adam step; the network's training batch)
@@ -31,7 +31,9 @@ restricts its cuDNN plans to deterministic ones as this library's always are (Py
 default lets backward-data and backward-filter take non-deterministic plans); its columns
 are its time and ours / it. `--out DIR` writes DIR/bench_networks_{cuda,cpu}.md with the
 provenance line, after every row (marked unfinished until the run ends, so a run stopped by
-a time limit leaves its rows).
+a time limit leaves its rows); `--resume` with it keeps the rows that table already holds
+from a run at the same commit on the same machine and runs the others, so that a table too
+long for one time limit is made by several runs.
 
 A CUDA error (an illegal memory access) leaves the process's CUDA context unusable, so
 every row after it would fail too: after a row fails with one, each later row (and the
@@ -51,7 +53,7 @@ import time
 from pathlib import Path
 
 from bench_cuda_runs import torch_graph  # PyTorch's capture recipe
-from bench_shapes import write_table
+from bench_shapes import provenance, provenance_key, write_table
 import rl_loop
 
 import torch
@@ -373,6 +375,34 @@ def one(args, precisions: list[str], modes: list[str], rows: list[str]) -> None:
     print(json.dumps({"times": got}))
 
 
+def earlier_rows(path: Path, head: str, cuda: bool) -> tuple[dict[tuple, str], list[str]]:
+    """`--resume`: the rows of the table an earlier run wrote to `path`, by (network, row,
+    precision, mode[, threads]), and its DQN loop's lines; nothing where there is no table.
+    Refuses (SystemExit, saying what differs) a table made at another commit, on another
+    machine or with other library versions, or with other columns."""
+    if not path.exists():
+        return {}, []
+    text = path.read_text().splitlines()
+    made = next((line for line in text if line.startswith("Made by `")), "")
+    here = provenance_key(provenance(cuda))
+    if provenance_key(made) != here:
+        raise SystemExit(f"--resume: {path} was made by another run ({provenance_key(made) or 'no provenance line'});"
+                         f" expected one of this one: {here}")
+    if head.splitlines()[0] not in text:
+        raise SystemExit(f"--resume: {path}'s table has other columns; expected {head.splitlines()[0]}")
+    rows, loop = {}, []
+    for i, line in enumerate(text):
+        if line.startswith("The Breakout demo's DQN loop"):
+            loop = text[i:]
+            while loop and not loop[-1]:
+                loop.pop()
+            break
+        if line.startswith("| ") and not line.startswith(("| network |", "| --- |")):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[tuple(cells[:4 if cuda else 5])] = line
+    return rows, loop
+
+
 def row_line(args, name: str, row: str, precision: str, mode: str, threads: str, cuda: bool, det: bool,
              columns: int, alone: bool) -> tuple[str, bool] | None:
     """(the table line of one comparison, whether later rows run alone), or None where the
@@ -421,6 +451,9 @@ def main() -> None:
                     "(CUDA; see the docstring)")
     ap.add_argument("--no-runs", action="store_true", help="swap with runs=False: one module a conv chain, "
                     "not one Conv2dRun a run of them (to see what runs change)")
+    ap.add_argument("--resume", action="store_true", help="with --out: keep the rows (and the loop) that the table "
+                    "already in DIR holds from a run at this commit on this machine, and run only the others (a run "
+                    "stopped by a time limit goes on where it stopped)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child of run_alone
     args = ap.parse_args()
     cuda = args.device == "cuda"
@@ -449,6 +482,8 @@ def main() -> None:
             ap.error("--one: expected one network, precision, mode, row and thread count")
         one(args, precisions, modes, rows)
         return
+    if args.resume and not args.out:
+        ap.error("--resume: expected --out DIR (the folder of the table to go on with)")
     det = args.torch_deterministic
     gpu_columns = "ours GPU ms | torch GPU ms | ratio | " if cuda else ""
     det_columns = " torch deterministic GPU ms | ratio |" if det else ""
@@ -469,13 +504,17 @@ def main() -> None:
             write_table(args.out, f"bench_networks_{args.device}.md", title, lines, cuda,
                         intro if done else intro + " Unfinished: the run was stopped after the rows below.", say=done)
 
+    table = Path(args.out or ".") / f"bench_networks_{args.device}.md"
+    done, loop_done = earlier_rows(table, head, cuda) if args.resume else ({}, [])
     alone = args.isolate  # each row in a process of its own: asked for, or since a CUDA error
     for name in args.networks.split(",") if set(rows) - {"loop"} else []:
         for row in (r for r in rows if r != "loop"):
             for precision in precisions:
                 for mode in modes:
                     for threads in thread_counts:
-                        line = row_line(args, name, row, precision, mode, threads, cuda, det, columns, alone)
+                        key = (name, row, precision, mode) + (() if cuda else (str(thread_count(threads)),))
+                        line = (done[key], alone) if key in done else \
+                            row_line(args, name, row, precision, mode, threads, cuda, det, columns, alone)
                         if line is None:
                             continue
                         line, alone = line
@@ -483,7 +522,10 @@ def main() -> None:
                         print(line, flush=True)
                         write(False)
     if "loop" in rows:
-        if alone:
+        if loop_done:
+            loop_lines = loop_done
+            print("\n".join(loop_lines), flush=True)
+        elif alone:
             said = run_alone(args, "nature_dqn", precisions[0], modes[0], "loop")
             loop_lines = said.get("lines") or [f"The DQN loop: {said.get('failed')}"]
             print("\n".join(loop_lines), flush=True)

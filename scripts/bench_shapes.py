@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -124,6 +125,12 @@ def provenance(gpu: bool) -> str:
         parts += [f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                   f"PyTorch {torch.__version__}", f"NumPy {numpy.__version__}", _blas()]
     return "; ".join(parts) + "."
+
+
+def provenance_key(line: str) -> str:
+    """A provenance line without its command and date: the commit, the machine and the
+    versions, which the runs of one table resumed across processes must share."""
+    return re.sub(r"; \d{4}-\d\d-\d\d;", ";", re.sub(r"^Made by `[^`]*`; ", "", line))
 
 
 def _blas() -> str:

@@ -77,23 +77,63 @@ def test_a_networks_benchmark_stopped_midway_leaves_its_finished_rows_marked_unf
     pytest.importorskip("torch")
     import bench_networks
 
-    made = []
-
-    def compare(name, precision, mode, row, args, threads="all"):
-        if made:
-            raise KeyboardInterrupt  # the second row: the run is stopped
-        made.append(row)
-        return {"ours": (1.0, 1.0), "torch": (2.0, 2.0)}
-    monkeypatch.setattr(bench_networks, "compare", compare)
-    monkeypatch.setattr(sys, "argv", ["bench_networks.py", "--device", "cpu", "--networks", "nature_dqn",
-                                      "--precisions", "strict", "--modes", "eager", "--threads", "1",
-                                      "--rows", "train,act", "--out", str(tmp_path)])
     with pytest.raises(KeyboardInterrupt):
+        _stopped_after_one_row(bench_networks, monkeypatch, tmp_path)
         bench_networks.main()
     table = (tmp_path / "bench_networks_cpu.md").read_text()
     assert "Unfinished: the run was stopped after the rows below." in table
     assert "| nature_dqn | train | strict | eager | 1 | 1.000 | 2.000 | 0.50 |" in table
     assert "| nature_dqn | act |" not in table
+
+
+def _stopped_after_one_row(bench_networks, monkeypatch, tmp_path, *more):
+    """A CPU run of nature_dqn's train and act rows (compare stubbed) stopped at its second
+    row, its table in tmp_path; returns the rows the stub was asked for."""
+    asked = []
+
+    def compare(name, precision, mode, row, args, threads="all"):
+        asked.append(row)
+        if len(asked) == 2 and not more:
+            raise KeyboardInterrupt
+        return {"ours": (1.0, 1.0), "torch": (4.0, 4.0) if row == "act" else (2.0, 2.0)}
+    monkeypatch.setattr(bench_networks, "compare", compare)
+    monkeypatch.setattr(sys, "argv", ["bench_networks.py", "--device", "cpu", "--networks", "nature_dqn",
+                                      "--precisions", "strict", "--modes", "eager", "--threads", "1",
+                                      "--rows", "train,act", "--out", str(tmp_path), *more])
+    return asked
+
+
+def test_a_resumed_networks_benchmark_runs_only_the_rows_its_table_lacks(monkeypatch, tmp_path):
+    pytest.importorskip("torch")
+    import bench_networks
+
+    monkeypatch.setenv("CONV2D_COMMIT", "abc1234")
+    with pytest.raises(KeyboardInterrupt):
+        _stopped_after_one_row(bench_networks, monkeypatch, tmp_path)
+        bench_networks.main()
+    asked = _stopped_after_one_row(bench_networks, monkeypatch, tmp_path, "--resume")
+    bench_networks.main()
+    assert asked == ["act"]
+    table = (tmp_path / "bench_networks_cpu.md").read_text()
+    assert "Unfinished" not in table and "commit abc1234" in table
+    train = table.index("| nature_dqn | train | strict | eager | 1 | 1.000 | 2.000 | 0.50 |")
+    assert train < table.index("| nature_dqn | act | strict | eager | 1 | 1.000 | 4.000 | 0.25 |")
+
+
+def test_a_networks_benchmark_refuses_to_resume_a_table_of_another_commit(monkeypatch, tmp_path):
+    pytest.importorskip("torch")
+    import bench_networks
+
+    monkeypatch.setenv("CONV2D_COMMIT", "abc1234")
+    with pytest.raises(KeyboardInterrupt):
+        _stopped_after_one_row(bench_networks, monkeypatch, tmp_path)
+        bench_networks.main()
+    monkeypatch.setenv("CONV2D_COMMIT", "def5678")
+    asked = _stopped_after_one_row(bench_networks, monkeypatch, tmp_path, "--resume")
+    with pytest.raises(SystemExit, match="was made by another run \\(commit abc1234;.*expected one of this one: "
+                                         "commit def5678;"):
+        bench_networks.main()
+    assert asked == []
 
 
 def test_the_network_layers_script_times_each_swapped_layer_of_the_digits_cnn_on_the_cpu():
