@@ -5,7 +5,7 @@ side by side in one process, timed in turns.
     python scripts/bench_networks.py [--device cuda|cpu] [--networks nature_dqn,impala_cnn,cifar_resnet]
         [--precisions default,strict,bfloat16] [--modes eager,graph,compile,reduce-overhead]
         [--rows train,act,loop] [--rounds 5] [--iters 10] [--threads 1,all] [--out DIR [--resume]] [--isolate]
-        [--torch-deterministic] [--no-runs]
+        [--torch-deterministic] [--no-runs] [--rest]
 
 Rows: the training step (forward, loss, backward, Adam step; the network's training batch)
 and acting (eval, no_grad, batch 1, then a synchronisation). Precisions: "default"
@@ -29,7 +29,10 @@ turns. `--torch-deterministic` (CUDA) times a third side in the same turns: PyTo
 `torch.backends.cudnn.deterministic = True`, set around that side's calls alone, which
 restricts its cuDNN plans to deterministic ones as this library's always are (PyTorch's
 default lets backward-data and backward-filter take non-deterministic plans); its columns
-are its time and ours / it. `--out DIR` writes DIR/bench_networks_{cuda,cpu}.md with the
+are its time and ours / it. `--rest` (eager acting rows) times a side more: our network
+with each swapped module's call replaced by its cached output, the parts both sides run in
+PyTorch (heads, pooling, residual adds); its share of PyTorch's time is what no faster
+layer can remove. `--out DIR` writes DIR/bench_networks_{cuda,cpu}.md with the
 provenance line, after every row (marked unfinished until the run ends, so a run stopped by
 a time limit leaves its rows); `--resume` with it keeps the rows that table already holds
 from a run at the same commit on the same machine and runs the others, so that a table too
@@ -213,6 +216,31 @@ def acting_step(model: nn.Module, mode: str, x: torch.Tensor, timer: Timer):
     return act
 
 
+class LayerOutput(nn.Module):
+    """Stands in for one of our swapped modules: its first call's output, returned again
+    (`--rest`: what a network costs besides our layers)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module, self.out = module, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.out is None:
+            self.out = self.module(x)
+        return self.out
+
+
+def without_layers(model: nn.Module) -> nn.Module:
+    """`model` (ours) with each swapped module (a Conv2dNormActivation or Conv2dRun) a
+    LayerOutput: the network's other parts alone."""
+    for name, child in model.named_children():
+        if type(child).__name__ in ("Conv2dNormActivation", "Conv2dRun"):
+            setattr(model, name, LayerOutput(child))
+        else:
+            without_layers(child)
+    return model
+
+
 class SideFailed(Exception):
     """One side ("torch" or "ours") of a comparison raised (its cause), in its `phase`:
     "warm-up" (building, capturing or compiling, and the first calls) or "timed runs"
@@ -227,7 +255,8 @@ def failure(e: Exception) -> str:
     """A table cell for a comparison that raised: whose side, in which phase, and the error."""
     side = ""
     if isinstance(e, SideFailed):
-        side, e = {"torch": "PyTorch's side", "ours": "our side"}[e.side] + f", {e.phase}: ", e.__cause__
+        side, e = {"torch": "PyTorch's side", "ours": "our side", "torch_det": "deterministic PyTorch's side",
+                   "rest": "our side without its layers"}[e.side] + f", {e.phase}: ", e.__cause__
     return f"failed ({side}{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
 
 
@@ -271,6 +300,8 @@ def compare(name: str, precision: str, mode: str, row: str, args, threads: str =
     sides = list(zip(("torch", "ours"), models(name, device, dtype, runs=not args.no_runs)))
     if args.torch_deterministic:  # CUDA only (main refuses it on the CPU)
         sides.append(("torch_det", network(name).to(device=device, dtype=dtype, memory_format=torch.channels_last)))
+    if getattr(args, "rest", False) and row == "act" and mode == "eager":
+        sides.append(("rest", without_layers(copy.deepcopy(sides[1][1]))))
     for side, model in sides:
         deterministic(side, device)
         try:
@@ -350,7 +381,8 @@ def run_alone(args, name: str, precision: str, mode: str, row: str, threads: str
                "--precisions", precision, "--modes", mode, "--rows", row, "--rounds", str(args.rounds),
                "--iters", str(args.iters), "--loop-warmup", str(args.loop_warmup),
                "--loop-steps", str(args.loop_steps), "--threads", threads] + \
-        (["--torch-deterministic"] if args.torch_deterministic else []) + (["--no-runs"] if args.no_runs else [])
+        (["--torch-deterministic"] if args.torch_deterministic else []) + (["--no-runs"] if args.no_runs else []) + \
+        (["--rest"] if args.rest else [])
     if args.train_batch:
         command += ["--train-batch", str(args.train_batch)]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -425,6 +457,8 @@ def row_line(args, name: str, row: str, precision: str, mode: str, threads: str,
     (og, ow), (tg, tw) = got["ours"], got["torch"]
     gpu = f"{og:.3f} | {tg:.3f} | {og / tg:.2f} | " if cuda else ""
     line = f"{first}{gpu}{ow:.3f} | {tw:.3f} | {ow / tw:.2f} |"
+    if args.rest:
+        line += f" {got['rest'][1]:.3f} | {got['rest'][1] / tw:.2f} |" if "rest" in got else " - | - |"
     if det:
         dg = got["torch_det"][0]
         line += f" {dg:.3f} | {og / dg:.2f} |"
@@ -451,6 +485,9 @@ def main() -> None:
                     "(CUDA; see the docstring)")
     ap.add_argument("--no-runs", action="store_true", help="swap with runs=False: one module a conv chain, "
                     "not one Conv2dRun a run of them (to see what runs change)")
+    ap.add_argument("--rest", action="store_true", help="eager acting rows: also time our network with each "
+                    "swapped module's call replaced by its cached output (what the network costs besides our "
+                    "layers, which both sides run in PyTorch) and its share of PyTorch's time")
     ap.add_argument("--resume", action="store_true", help="with --out: keep the rows (and the loop) that the table "
                     "already in DIR holds from a run at this commit on this machine, and run only the others (a run "
                     "stopped by a time limit goes on where it stopped)")
@@ -486,11 +523,12 @@ def main() -> None:
         ap.error("--resume: expected --out DIR (the folder of the table to go on with)")
     det = args.torch_deterministic
     gpu_columns = "ours GPU ms | torch GPU ms | ratio | " if cuda else ""
-    det_columns = " torch deterministic GPU ms | ratio |" if det else ""
-    columns = (6 if cuda else 3) + (2 if det else 0)
+    extra_columns = (" ours without its layers wall ms | / torch wall |" if args.rest else "") + \
+        (" torch deterministic GPU ms | ratio |" if det else "")
+    columns = (6 if cuda else 3) + (2 if det else 0) + (2 if args.rest else 0)
     thread_column = "" if cuda else "threads | "
     head = (f"| network | row | precision | mode | {thread_column}{gpu_columns}ours wall ms | torch wall ms | ratio |"
-            f"{det_columns}\n| --- | --- | --- | --- | {'' if cuda else '---: | '}{'---: | ' * columns}".rstrip())
+            f"{extra_columns}\n| --- | --- | --- | --- | {'' if cuda else '---: | '}{'---: | ' * columns}".rstrip())
     lines = [head]
     print(head, flush=True)
     title = "conv2d: whole networks, the module swapped in vs plain PyTorch"

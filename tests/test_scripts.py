@@ -170,6 +170,20 @@ def test_the_module_host_cost_script_times_both_rows_and_profiles_ours_on_the_cp
     assert "| row | module alone us | empty node us | PyTorch us |" in out  # stubbed backend, empty node
 
 
+def test_the_networks_benchmark_times_what_a_network_costs_besides_our_layers():
+    """--rest: a third side on eager acting rows, our network with each swapped module's
+    output cached; it runs the network's other parts (the Nature-DQN's linear head) alone,
+    so it takes less than ours and more than nothing."""
+    pytest.importorskip("torch")
+    out = run_script(ROOT / "scripts" / "bench_networks.py", "--device", "cpu", "--networks", "nature_dqn",
+                     "--precisions", "strict", "--modes", "eager", "--threads", "1", "--rounds", "1", "--iters",
+                     "3", "--rows", "act", "--rest", timeout=300).stdout
+    assert "| ours without its layers wall ms | / torch wall |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| nature_dqn | act |"))
+    ours, torch_ms, _, rest, share = (float(c) for c in row.strip(" |").split("|")[5:10])
+    assert 0 < rest < ours and share == pytest.approx(rest / torch_ms, abs=0.01)
+
+
 def test_the_networks_benchmark_refuses_pytorch_determinism_off_cuda():
     """--torch-deterministic is PyTorch's cuDNN setting: on the CPU the script says so and
     times nothing, instead of printing a table without the side it was asked for."""
