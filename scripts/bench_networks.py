@@ -382,7 +382,7 @@ def run_alone(args, name: str, precision: str, mode: str, row: str, threads: str
                "--iters", str(args.iters), "--loop-warmup", str(args.loop_warmup),
                "--loop-steps", str(args.loop_steps), "--threads", threads] + \
         (["--torch-deterministic"] if args.torch_deterministic else []) + (["--no-runs"] if args.no_runs else []) + \
-        (["--rest"] if args.rest else [])
+        (["--rest"] if getattr(args, "rest", False) else [])
     if args.train_batch:
         command += ["--train-batch", str(args.train_batch)]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -457,7 +457,7 @@ def row_line(args, name: str, row: str, precision: str, mode: str, threads: str,
     (og, ow), (tg, tw) = got["ours"], got["torch"]
     gpu = f"{og:.3f} | {tg:.3f} | {og / tg:.2f} | " if cuda else ""
     line = f"{first}{gpu}{ow:.3f} | {tw:.3f} | {ow / tw:.2f} |"
-    if args.rest:
+    if getattr(args, "rest", False):
         line += f" {got['rest'][1]:.3f} | {got['rest'][1] / tw:.2f} |" if "rest" in got else " - | - |"
     if det:
         dg = got["torch_det"][0]
