@@ -18,7 +18,8 @@ timing PyTorch then ours for `--iters` calls after warm-up (so both see the mach
 same moment); the ratio is ours / PyTorch (below 1: ours is faster). On CUDA a line
 starting with "#" follows a row where our modules used call graphs: their counts round by
 round (launched, captured, replayed, failed), since a replay needs the caller's tensor
-addresses to repeat and a round that captures again is timed with its captures. GPU rows
+addresses to repeat and a round that captures again is timed with its captures; `--out`
+writes them under the table too. GPU rows
 time with CUDA events (GPU ms) and the wall clock; CPU rows with the wall clock only (modes eager
 and compile). On the CPU each row runs at each of `--threads` (torch.set_num_threads on
 both sides; "all": the cores): the module runs the cpu backend, which follows that count
@@ -326,10 +327,11 @@ def compare(name: str, precision: str, mode: str, row: str, args, threads: str =
                 raise SideFailed(side, "timed runs") from e
         counts.append(graph_counts(ours))
     deterministic("torch", device)
+    result: dict = {side: tuple(statistics.median(t[i] for t in ts) for i in (0, 1)) for side, ts in times.items()}
     if any(counts[-1].values()):
-        rounds = [{k: b[k] - a[k] for k in b} for a, b in zip(counts, counts[1:])]
-        print(f"# {name} {row} {precision} {mode}: our call graphs, round by round: {rounds}", flush=True)
-    return {side: tuple(statistics.median(t[i] for t in ts) for i in (0, 1)) for side, ts in times.items()}
+        result["graphs"] = [{k: b[k] - a[k] for k in b} for a, b in zip(counts, counts[1:])]
+        print(f"# {name} {row} {precision} {mode}: our call graphs, round by round: {result['graphs']}", flush=True)
+    return result
 
 
 def graph_counts(model: nn.Module) -> dict[str, int]:
@@ -407,13 +409,18 @@ def one(args, precisions: list[str], modes: list[str], rows: list[str]) -> None:
     print(json.dumps({"times": got}))
 
 
-def earlier_rows(path: Path, head: str, cuda: bool) -> tuple[dict[tuple, str], list[str]]:
-    """`--resume`: the rows of the table an earlier run wrote to `path`, by (network, row,
-    precision, mode[, threads]), and its DQN loop's lines; nothing where there is no table.
+GRAPHS_HEADING = ("Our modules' call graphs, round by round (launched eagerly, captured, replayed, failed), in the "
+                  "rows where they used any:")
+
+
+def earlier_rows(path: Path, head: str, cuda: bool) -> tuple[dict[tuple, str], dict[tuple, str], list[str]]:
+    """`--resume`: the rows of the table an earlier run wrote to `path` and their call-graph
+    lines, by (network, row, precision, mode[, threads]), and its DQN loop's lines; nothing
+    where there is no table.
     Refuses (SystemExit, saying what differs) a table made at another commit, on another
     machine or with other library versions, or with other columns."""
     if not path.exists():
-        return {}, []
+        return {}, {}, []
     text = path.read_text().splitlines()
     made = next((line for line in text if line.startswith("Made by `")), "")
     here = provenance_key(provenance(cuda))
@@ -422,8 +429,11 @@ def earlier_rows(path: Path, head: str, cuda: bool) -> tuple[dict[tuple, str], l
                          f" expected one of this one: {here}")
     if head.splitlines()[0] not in text:
         raise SystemExit(f"--resume: {path}'s table has other columns; expected {head.splitlines()[0]}")
-    rows, loop = {}, []
+    rows, graphs, loop = {}, {}, []
     for i, line in enumerate(text):
+        if line.startswith("- `"):
+            graphs[tuple(line[3:line.index("`", 3)].split())] = line
+            continue
         if line.startswith("The Breakout demo's DQN loop"):
             loop = text[i:]
             while loop and not loop[-1]:
@@ -432,13 +442,13 @@ def earlier_rows(path: Path, head: str, cuda: bool) -> tuple[dict[tuple, str], l
         if line.startswith("| ") and not line.startswith(("| network |", "| --- |")):
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             rows[tuple(cells[:4 if cuda else 5])] = line
-    return rows, loop
+    return rows, graphs, loop
 
 
 def row_line(args, name: str, row: str, precision: str, mode: str, threads: str, cuda: bool, det: bool,
-             columns: int, alone: bool) -> tuple[str, bool] | None:
-    """(the table line of one comparison, whether later rows run alone), or None where the
-    mode does not apply."""
+             columns: int, alone: bool) -> tuple[str, bool, list | None] | None:
+    """(the table line of one comparison, whether later rows run alone, our call graphs'
+    counts round by round where it used any), or None where the mode does not apply."""
     failed = got = None
     if alone:
         said = run_alone(args, name, precision, mode, row, threads)
@@ -451,7 +461,7 @@ def row_line(args, name: str, row: str, precision: str, mode: str, threads: str,
             alone = alone or is_cuda_error(e)
     first = f"| {name} | {row} | {precision} | {mode} | " + ("" if cuda else f"{thread_count(threads)} | ")
     if failed is not None:
-        return f"{first}{failed} |{' |' * (columns - 1)}", alone
+        return f"{first}{failed} |{' |' * (columns - 1)}", alone, None
     if got is None:
         return None
     (og, ow), (tg, tw) = got["ours"], got["torch"]
@@ -462,7 +472,7 @@ def row_line(args, name: str, row: str, precision: str, mode: str, threads: str,
     if det:
         dg = got["torch_det"][0]
         line += f" {dg:.3f} | {og / dg:.2f} |"
-    return line, alone
+    return line, alone, got.get("graphs")
 
 
 def main() -> None:
@@ -535,15 +545,20 @@ def main() -> None:
     intro = ("Ratios are ours / PyTorch (below 1: ours is faster); medians over rounds timed in turns "
              "(scripts/bench_networks.py's docstring says how).")
 
+    graph_lines: list[str] = []
+    loop_lines: list[str] = []
+
     def write(done: bool) -> None:
         # After every row too, so a run stopped by a time limit leaves the rows it made,
         # marked as an unfinished run's.
         if args.out:
-            write_table(args.out, f"bench_networks_{args.device}.md", title, lines, cuda,
+            body = lines + (["", GRAPHS_HEADING, "", *graph_lines] if graph_lines else []) + \
+                (["", *loop_lines] if loop_lines else [])
+            write_table(args.out, f"bench_networks_{args.device}.md", title, body, cuda,
                         intro if done else intro + " Unfinished: the run was stopped after the rows below.", say=done)
 
     table = Path(args.out or ".") / f"bench_networks_{args.device}.md"
-    done, loop_done = earlier_rows(table, head, cuda) if args.resume else ({}, [])
+    done, graphs_done, loop_done = earlier_rows(table, head, cuda) if args.resume else ({}, {}, [])
     alone = args.isolate  # each row in a process of its own: asked for, or since a CUDA error
     for name in args.networks.split(",") if set(rows) - {"loop"} else []:
         for row in (r for r in rows if r != "loop"):
@@ -551,12 +566,16 @@ def main() -> None:
                 for mode in modes:
                     for threads in thread_counts:
                         key = (name, row, precision, mode) + (() if cuda else (str(thread_count(threads)),))
-                        line = (done[key], alone) if key in done else \
+                        line = (done[key], alone, graphs_done.get(key)) if key in done else \
                             row_line(args, name, row, precision, mode, threads, cuda, det, columns, alone)
                         if line is None:
                             continue
-                        line, alone = line
+                        line, alone, graphs = line
                         lines.append(line)
+                        if isinstance(graphs, str):  # a resumed row's line
+                            graph_lines.append(graphs)
+                        elif graphs:
+                            graph_lines.append(f"- `{' '.join(key)}`: {graphs}")
                         print(line, flush=True)
                         write(False)
     if "loop" in rows:
@@ -569,7 +588,6 @@ def main() -> None:
             print("\n".join(loop_lines), flush=True)
         else:
             loop_lines = loop_table(args)
-        lines += ["", *loop_lines]
     write(True)
 
 

@@ -84,6 +84,11 @@ def test_a_networks_benchmark_stopped_midway_leaves_its_finished_rows_marked_unf
     assert "Unfinished: the run was stopped after the rows below." in table
     assert "| nature_dqn | train | strict | eager | 1 | 1.000 | 2.000 | 0.50 |" in table
     assert "| nature_dqn | act |" not in table
+    assert bench_networks.GRAPHS_HEADING in table and GRAPH_LINE in table  # the row's call graphs, under the table
+
+
+GRAPH_ROUNDS = [{"eager": 1, "captured": 1, "replayed": 8, "failed": 0}]  # what the stub says of our call graphs
+GRAPH_LINE = "- `nature_dqn train strict eager 1`: " + str(GRAPH_ROUNDS)
 
 
 def _stopped_after_one_row(bench_networks, monkeypatch, tmp_path, *more):
@@ -95,7 +100,8 @@ def _stopped_after_one_row(bench_networks, monkeypatch, tmp_path, *more):
         asked.append(row)
         if len(asked) == 2 and not more:
             raise KeyboardInterrupt
-        return {"ours": (1.0, 1.0), "torch": (4.0, 4.0) if row == "act" else (2.0, 2.0)}
+        times = {"ours": (1.0, 1.0), "torch": (4.0, 4.0) if row == "act" else (2.0, 2.0)}
+        return times if row == "act" else {**times, "graphs": GRAPH_ROUNDS}
     monkeypatch.setattr(bench_networks, "compare", compare)
     monkeypatch.setattr(sys, "argv", ["bench_networks.py", "--device", "cpu", "--networks", "nature_dqn",
                                       "--precisions", "strict", "--modes", "eager", "--threads", "1",
@@ -118,6 +124,7 @@ def test_a_resumed_networks_benchmark_runs_only_the_rows_its_table_lacks(monkeyp
     assert "Unfinished" not in table and "commit abc1234" in table
     train = table.index("| nature_dqn | train | strict | eager | 1 | 1.000 | 2.000 | 0.50 |")
     assert train < table.index("| nature_dqn | act | strict | eager | 1 | 1.000 | 4.000 | 0.25 |")
+    assert table.count(GRAPH_LINE) == 1  # the resumed row's call graphs kept
 
 
 def test_a_networks_benchmark_refuses_to_resume_a_table_of_another_commit(monkeypatch, tmp_path):
