@@ -77,9 +77,7 @@ def test_a_networks_benchmark_stopped_midway_leaves_its_finished_rows_marked_unf
     pytest.importorskip("torch")
     import bench_networks
 
-    with pytest.raises(KeyboardInterrupt):
-        _stopped_after_one_row(bench_networks, monkeypatch, tmp_path)
-        bench_networks.main()
+    _run_stopped_at_its_second_row(bench_networks, monkeypatch, tmp_path)
     table = (tmp_path / "bench_networks_cpu.md").read_text()
     assert "Unfinished: the run was stopped after the rows below." in table
     assert "| nature_dqn | train | strict | eager | 1 | 1.000 | 2.000 | 0.50 |" in table
@@ -109,14 +107,20 @@ def _stopped_after_one_row(bench_networks, monkeypatch, tmp_path, *more):
     return asked
 
 
+def _run_stopped_at_its_second_row(bench_networks, monkeypatch, tmp_path, commit=None):
+    """The run of _stopped_after_one_row (at `commit`, as the GPU machine's runs name theirs)."""
+    if commit:
+        monkeypatch.setenv("CONV2D_COMMIT", commit)
+    with pytest.raises(KeyboardInterrupt):
+        _stopped_after_one_row(bench_networks, monkeypatch, tmp_path)
+        bench_networks.main()
+
+
 def test_a_resumed_networks_benchmark_runs_only_the_rows_its_table_lacks(monkeypatch, tmp_path):
     pytest.importorskip("torch")
     import bench_networks
 
-    monkeypatch.setenv("CONV2D_COMMIT", "abc1234")
-    with pytest.raises(KeyboardInterrupt):
-        _stopped_after_one_row(bench_networks, monkeypatch, tmp_path)
-        bench_networks.main()
+    _run_stopped_at_its_second_row(bench_networks, monkeypatch, tmp_path, commit="abc1234")
     asked = _stopped_after_one_row(bench_networks, monkeypatch, tmp_path, "--resume")
     bench_networks.main()
     assert asked == ["act"]
@@ -131,10 +135,7 @@ def test_a_networks_benchmark_refuses_to_resume_a_table_of_another_commit(monkey
     pytest.importorskip("torch")
     import bench_networks
 
-    monkeypatch.setenv("CONV2D_COMMIT", "abc1234")
-    with pytest.raises(KeyboardInterrupt):
-        _stopped_after_one_row(bench_networks, monkeypatch, tmp_path)
-        bench_networks.main()
+    _run_stopped_at_its_second_row(bench_networks, monkeypatch, tmp_path, commit="abc1234")
     monkeypatch.setenv("CONV2D_COMMIT", "def5678")
     asked = _stopped_after_one_row(bench_networks, monkeypatch, tmp_path, "--resume")
     with pytest.raises(SystemExit, match="was made by another run \\(commit abc1234;.*expected one of this one: "
