@@ -301,7 +301,7 @@ def compare(name: str, precision: str, mode: str, row: str, args, threads: str =
     sides = list(zip(("torch", "ours"), models(name, device, dtype, runs=not args.no_runs)))
     if args.torch_deterministic:  # CUDA only (main refuses it on the CPU)
         sides.append(("torch_det", network(name).to(device=device, dtype=dtype, memory_format=torch.channels_last)))
-    if getattr(args, "rest", False) and row == "act" and mode == "eager":
+    if args.rest and row == "act" and mode == "eager":
         sides.append(("rest", without_layers(copy.deepcopy(sides[1][1]))))
     for side, model in sides:
         deterministic(side, device)
@@ -384,7 +384,7 @@ def run_alone(args, name: str, precision: str, mode: str, row: str, threads: str
                "--iters", str(args.iters), "--loop-warmup", str(args.loop_warmup),
                "--loop-steps", str(args.loop_steps), "--threads", threads] + \
         (["--torch-deterministic"] if args.torch_deterministic else []) + (["--no-runs"] if args.no_runs else []) + \
-        (["--rest"] if getattr(args, "rest", False) else [])
+        (["--rest"] if args.rest else [])
     if args.train_batch:
         command += ["--train-batch", str(args.train_batch)]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -413,19 +413,19 @@ GRAPHS_HEADING = ("Our modules' call graphs, round by round (launched eagerly, c
                   "rows where they used any:")
 
 
-def earlier_rows(path: Path, head: str, cuda: bool) -> tuple[dict[tuple, str], dict[tuple, str], list[str]]:
+def earlier_rows(path: Path, head: str, cuda: bool, made: str) -> tuple[dict[tuple, str], dict[tuple, str], list[str]]:
     """`--resume`: the rows of the table an earlier run wrote to `path` and their call-graph
     lines, by (network, row, precision, mode[, threads]), and its DQN loop's lines; nothing
-    where there is no table.
+    where there is no table. `made`: this run's provenance line.
     Refuses (SystemExit, saying what differs) a table made at another commit, on another
     machine or with other library versions, or with other columns."""
     if not path.exists():
         return {}, {}, []
     text = path.read_text().splitlines()
-    made = next((line for line in text if line.startswith("Made by `")), "")
-    here = provenance_key(provenance(cuda))
-    if provenance_key(made) != here:
-        raise SystemExit(f"--resume: {path} was made by another run ({provenance_key(made) or 'no provenance line'});"
+    earlier = provenance_key(next((line for line in text if line.startswith("Made by `")), ""))
+    here = provenance_key(made)
+    if earlier != here:
+        raise SystemExit(f"--resume: {path} was made by another run ({earlier or 'no provenance line'});"
                          f" expected one of this one: {here}")
     if head.splitlines()[0] not in text:
         raise SystemExit(f"--resume: {path}'s table has other columns; expected {head.splitlines()[0]}")
@@ -467,7 +467,7 @@ def row_line(args, name: str, row: str, precision: str, mode: str, threads: str,
     (og, ow), (tg, tw) = got["ours"], got["torch"]
     gpu = f"{og:.3f} | {tg:.3f} | {og / tg:.2f} | " if cuda else ""
     line = f"{first}{gpu}{ow:.3f} | {tw:.3f} | {ow / tw:.2f} |"
-    if getattr(args, "rest", False):
+    if args.rest:
         line += f" {got['rest'][1]:.3f} | {got['rest'][1] / tw:.2f} |" if "rest" in got else " - | - |"
     if det:
         dg = got["torch_det"][0]
@@ -547,6 +547,7 @@ def main() -> None:
 
     graph_lines: list[str] = []
     loop_lines: list[str] = []
+    made = provenance(cuda) if args.out else ""  # once: on a GPU it asks nvidia-smi
 
     def write(done: bool) -> None:
         # After every row too, so a run stopped by a time limit leaves the rows it made,
@@ -555,10 +556,11 @@ def main() -> None:
             body = lines + (["", GRAPHS_HEADING, "", *graph_lines] if graph_lines else []) + \
                 (["", *loop_lines] if loop_lines else [])
             write_table(args.out, f"bench_networks_{args.device}.md", title, body, cuda,
-                        intro if done else intro + " Unfinished: the run was stopped after the rows below.", say=done)
+                        intro if done else intro + " Unfinished: the run was stopped after the rows below.", say=done,
+                        made=made)
 
     table = Path(args.out or ".") / f"bench_networks_{args.device}.md"
-    done, graphs_done, loop_done = earlier_rows(table, head, cuda) if args.resume else ({}, {}, [])
+    done, graphs_done, loop_done = earlier_rows(table, head, cuda, made) if args.resume else ({}, {}, [])
     alone = args.isolate  # each row in a process of its own: asked for, or since a CUDA error
     for name in args.networks.split(",") if set(rows) - {"loop"} else []:
         for row in (r for r in rows if r != "loop"):
@@ -566,16 +568,17 @@ def main() -> None:
                 for mode in modes:
                     for threads in thread_counts:
                         key = (name, row, precision, mode) + (() if cuda else (str(thread_count(threads)),))
-                        line = (done[key], alone, graphs_done.get(key)) if key in done else \
-                            row_line(args, name, row, precision, mode, threads, cuda, det, columns, alone)
-                        if line is None:
-                            continue
-                        line, alone, graphs = line
+                        if key in done:
+                            line, graph_line = done[key], graphs_done.get(key)
+                        else:
+                            made_row = row_line(args, name, row, precision, mode, threads, cuda, det, columns, alone)
+                            if made_row is None:
+                                continue
+                            line, alone, graphs = made_row
+                            graph_line = graphs and f"- `{' '.join(key)}`: {graphs}"
                         lines.append(line)
-                        if isinstance(graphs, str):  # a resumed row's line
-                            graph_lines.append(graphs)
-                        elif graphs:
-                            graph_lines.append(f"- `{' '.join(key)}`: {graphs}")
+                        if graph_line:
+                            graph_lines.append(graph_line)
                         print(line, flush=True)
                         write(False)
     if "loop" in rows:

@@ -150,14 +150,14 @@ def _blas() -> str:
 
 
 def write_table(out: str | os.PathLike, name: str, title: str, lines: list[str], gpu: bool,
-                intro: str | None = None, say: bool = True) -> Path:
+                intro: str | None = None, say: bool = True, made: str | None = None) -> Path:
     """Write a table file `out`/`name`: "# title", `intro` (a paragraph saying how to read
-    it) if any, the `provenance` line and the table's `lines`; says where (if `say`), returns
-    the path."""
+    it) if any, the `provenance` line (`made`, where the caller has it already) and the
+    table's `lines`; says where (if `say`), returns the path."""
     path = Path(out) / name
     path.parent.mkdir(parents=True, exist_ok=True)  # a folder of its own, as on the GPU machine's $OUT
     head = [f"# {title}", ""] + ([intro, ""] if intro else [])
-    path.write_text("\n".join([*head, provenance(gpu), "", *lines, ""]))
+    path.write_text("\n".join([*head, made or provenance(gpu), "", *lines, ""]))
     if say:
         print(f"wrote {path}")
     return path

@@ -214,7 +214,7 @@ def test_a_network_comparison_that_fails_says_whose_side_failed(monkeypatch):
     real = bench_networks.models
     monkeypatch.setattr(bench_networks, "models", lambda *a, **kw: (Broken(), real(*a, **kw)[1]))
     args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=1, iters=1, torch_deterministic=False,
-                                             no_runs=False)
+                                             no_runs=False, rest=False)
     with pytest.raises(bench_networks.SideFailed) as failed:
         bench_networks.compare("digits_cnn", "strict", "eager", "act", args)
     assert (failed.value.side, failed.value.phase) == ("torch", "warm-up")
@@ -240,7 +240,7 @@ def test_a_network_comparison_that_fails_in_its_timed_runs_says_whose_runs_faile
     ours.forward = failing_after_warm_up
     monkeypatch.setattr(bench_networks, "models", lambda *a, **kw: (theirs, ours))
     args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=1, iters=1, torch_deterministic=False,
-                                             no_runs=False)
+                                             no_runs=False, rest=False)
     with pytest.raises(bench_networks.SideFailed) as failed:
         bench_networks.compare("digits_cnn", "strict", "eager", "act", args)
     assert (failed.value.side, failed.value.phase) == ("ours", "timed runs")
@@ -267,7 +267,7 @@ def test_a_network_comparison_prints_our_call_graphs_round_by_round(monkeypatch,
     ours = torch.nn.Sequential(torch.nn.Sequential(Counted()), Counted())
     monkeypatch.setattr(bench_networks, "models", lambda *a, **kw: (torch.nn.Identity(), ours))
     args = bench_networks.argparse.Namespace(device="cpu", train_batch=2, rounds=2, iters=3, torch_deterministic=False,
-                                             no_runs=False)
+                                             no_runs=False, rest=False)
     bench_networks.compare("digits_cnn", "strict", "eager", "act", args)
     round_ = {"eager": 0, "captured": 0, "replayed": 6, "failed": 0}  # 3 calls of 2 modules a round
     assert f"# digits_cnn act strict eager: our call graphs, round by round: {[round_, round_]}" in \
@@ -311,7 +311,7 @@ def test_a_row_run_alone_reports_what_its_process_measured_or_how_it_ended():
     import bench_networks
 
     args = bench_networks.argparse.Namespace(device="cpu", rounds=1, iters=1, loop_warmup=10, loop_steps=5,
-                                             train_batch=2, torch_deterministic=False, no_runs=False)
+                                             train_batch=2, torch_deterministic=False, no_runs=False, rest=False)
     said = bench_networks.run_alone(args, "digits_cnn", "strict", "eager", "act")
     assert set(said) == {"times"} and set(said["times"]) == {"ours", "torch"}
     said = bench_networks.run_alone(args, "no_such_network", "strict", "eager", "act")
