@@ -144,6 +144,24 @@ def test_a_networks_benchmark_refuses_to_resume_a_table_of_another_commit(monkey
     assert asked == []
 
 
+def test_a_networks_benchmark_refuses_to_resume_without_a_table_folder():
+    pytest.importorskip("torch")
+    done = run_script(ROOT / "scripts" / "bench_networks.py", "--device", "cpu", "--resume", returncode=2)
+    assert "|" not in done.stdout and "--resume: expected --out DIR" in done.stderr
+
+
+def test_a_networks_benchmark_refuses_to_resume_a_table_of_other_columns(monkeypatch, tmp_path):
+    """A table made without --rest has no room for its columns: resuming it with --rest is refused."""
+    pytest.importorskip("torch")
+    import bench_networks
+
+    _run_stopped_at_its_second_row(bench_networks, monkeypatch, tmp_path, commit="abc1234")
+    asked = _stopped_after_one_row(bench_networks, monkeypatch, tmp_path, "--resume", "--rest")
+    with pytest.raises(SystemExit, match="table has other columns; expected .*ours without its layers wall ms"):
+        bench_networks.main()
+    assert asked == []
+
+
 def test_the_network_layers_script_times_each_swapped_layer_of_the_digits_cnn_on_the_cpu():
     pytest.importorskip("torch")
     out = run_script(ROOT / "scripts" / "network_layers.py", "--device", "cpu", "--network", "digits_cnn",
