@@ -223,90 +223,88 @@ def row_sums(a: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return total[:, 0], total[:, 1]
 
 
-# The norm and activation, fused, SPAN rows (pixels of C channels) at a time -------------
-# Arrays here are 2-D (rows, C) views of (N, OH, OW, OC), indexed [row, channel]. The
-# helpers below take SPAN rows a call: a call a row (passing arrays costs reference counts)
-# made these passes 5 ns a value where C is 16, 30x a loop's. The activation's choice
-# stays outside the channel loops, so that the common ones (ReLU, ReLU6, identity)
-# vectorise. Buffers: (SPAN, C) of the compute dtype a thread.
-SPAN = 32
+# The norm and activation, fused, a row (a pixel's C channels) at a time ----------------
+# Arrays here are 2-D (rows, C) views of (N, OH, OW, OC), indexed [row, channel]. LLVM
+# vectorises a loop over a row's channels only where no choice is left inside it that it
+# cannot take out: the helpers below are scalar and inlined; whether the activation is a
+# common one (ReLU, ReLU6, identity) is decided outside the loops, the norm's mode inside
+# them (one mode a call, which LLVM takes out), and each further case has a loop of its
+# own (_norm_gradients, _norm_sums). A helper holding a choice between loops, or the
+# other activations' code inside the common loop, kept the loops scalar, several times
+# slower. Values round to the compute dtype where they are stored, as the reference's
+# arrays do, so the results are bitwise those of the separate passes over 32-row buffers
+# that these replaced (which took up to twice as long; the commit has the measurement).
+SPAN = 128  # rows a task of the elementwise passes
 
 
-@njit(cache=True)
-def _norm_rows(mode, z, t0, t1, pixels, mean, inv_std, gamma, beta, x_hat, a):
-    """x_hat = (z - mean) * inv_std and a = x_hat * gamma + beta over rows t0..t1 into
-    x_hat[:t1 - t0], a[:t1 - t0] (statistics per channel, or per sample: row t is of
-    sample t // pixels); a = z without a norm."""
-    c = z.shape[1]
-    for t in range(t0, t1):
-        r = t - t0
-        if mode == NO_NORM:
-            for j in range(c):
-                a[r, j] = z[t, j]
-        elif mode == BATCH_NORM:
-            for j in range(c):
-                x_hat[r, j] = (z[t, j] - mean[j]) * inv_std[j]
-                a[r, j] = x_hat[r, j] * gamma[j] + beta[j]
-        else:
-            i = t // pixels
-            m = mean[i]
-            s = inv_std[i]
-            for j in range(c):
-                x_hat[r, j] = (z[t, j] - m) * s
-                a[r, j] = x_hat[r, j] * gamma[j] + beta[j]
+@njit(inline="always", cache=True)
+def _common(code):
+    """Whether activation `code` is ReLU, ReLU6 or the identity."""
+    return code == _RELU or code == _RELU6 or code == _IDENTITY
 
 
-@njit(cache=True)
-def _activate_rows(code, a, p, y, t0, t1):
-    """y[t0:t1] = f(a[:t1 - t0])."""
-    c = a.shape[1]
-    for t in range(t0, t1):
-        r = t - t0
-        if code == _RELU:
-            for j in range(c):
-                v = a[r, j]
-                y[t, j] = 0.0 if v < 0.0 else v
-        elif code == _RELU6:
-            for j in range(c):
-                v = a[r, j]
-                y[t, j] = 0.0 if v < 0.0 else (RELU6_CAP if v > RELU6_CAP else v)
-        elif code == _IDENTITY:
-            for j in range(c):
-                y[t, j] = a[r, j]
-        else:
-            for j in range(c):
-                y[t, j] = activate(code, np.float64(a[r, j]), p)
+@njit(inline="always", cache=True)
+def _common_activated(code, v):
+    """f(v) for a `_common` activation."""
+    if code == _RELU:
+        return 0.0 if v < 0.0 else v
+    if code == _RELU6:
+        return 0.0 if v < 0.0 else (RELU6_CAP if v > RELU6_CAP else v)
+    return v
 
 
-@njit(cache=True)
-def _grad_rows(code, a, p, d_y, t0, t1, d_a):
-    """d_a[:t1 - t0] = f'(a) * d_y[t0:t1]."""
-    c = a.shape[1]
-    for t in range(t0, t1):
-        r = t - t0
-        if code == _RELU:
-            for j in range(c):
-                d_a[r, j] = d_y[t, j] if a[r, j] > 0.0 else 0.0
-        elif code == _RELU6:
-            for j in range(c):
-                d_a[r, j] = d_y[t, j] if (a[r, j] > 0.0 and a[r, j] < RELU6_CAP) else 0.0
-        elif code == _IDENTITY:
-            for j in range(c):
-                d_a[r, j] = d_y[t, j]
-        else:
-            for j in range(c):
-                d_a[r, j] = derivative(code, np.float64(a[r, j]), p) * d_y[t, j]
+@njit(inline="always", cache=True)
+def _common_gradient(code, v, g):
+    """f'(v) * g for a `_common` activation."""
+    if code == _RELU:
+        return g if v > 0.0 else 0.0
+    if code == _RELU6:
+        return g if (v > 0.0 and v < RELU6_CAP) else 0.0
+    return g
+
+
+@njit(inline="always", cache=True)
+def _x_hat(mode, zv, j, m, s, mean, inv_std):
+    """zv (channel j's) normalised: by the channel's statistics (BATCH_NORM) or by its
+    sample's m and s (LAYER_NORM)."""
+    if mode == BATCH_NORM:
+        return (zv - mean[j]) * inv_std[j]
+    return (zv - m) * s
+
+
+@njit(inline="always", cache=True)
+def _activation_input(mode, zv, j, m, s, mean, inv_std, gamma, beta):
+    """a = gamma * x_hat + beta (zv itself with NO_NORM), in zv's dtype."""
+    if mode == NO_NORM:
+        return zv
+    return _x_hat(mode, zv, j, m, s, mean, inv_std) * gamma[j] + beta[j]
+
+
+@njit(inline="always", cache=True)
+def _row_statistics(mode, mean, inv_std, i):
+    """(m, s): sample i's mean and inv_std for LAYER_NORM, placeholders otherwise."""
+    if mode == LAYER_NORM:
+        return mean[i], inv_std[i]
+    return mean[0], inv_std[0]
 
 
 @njit(nogil=True, cache=True)
 def _forward_epilogue(first, end, z, pixels, mode, mean, inv_std, gamma, beta, code, p, y):
-    rows, c = z.shape
-    x_hat = np.empty((SPAN, c), z.dtype)
-    a = np.empty((SPAN, c), z.dtype)
-    for t0 in range(first * SPAN, min(rows, end * SPAN), SPAN):
-        t1 = min(rows, t0 + SPAN)
-        _norm_rows(mode, z, t0, t1, pixels, mean, inv_std, gamma, beta, x_hat, a)
-        _activate_rows(code, a, p, y, t0, t1)
+    c = z.shape[1]
+    rows = range(first * SPAN, min(z.shape[0], end * SPAN))
+    if _common(code):
+        for t in rows:
+            m, s = _row_statistics(mode, mean, inv_std, t // pixels)
+            zr, yr = z[t], y[t]
+            for j in range(c):
+                yr[j] = _common_activated(code, _activation_input(mode, zr[j], j, m, s, mean, inv_std, gamma, beta))
+    else:
+        for t in rows:
+            m, s = _row_statistics(mode, mean, inv_std, t // pixels)
+            zr, yr = z[t], y[t]
+            for j in range(c):
+                a = _activation_input(mode, zr[j], j, m, s, mean, inv_std, gamma, beta)
+                yr[j] = activate(code, np.float64(a), p)
 
 
 def _rows(a: np.ndarray) -> np.ndarray:
@@ -315,7 +313,8 @@ def _rows(a: np.ndarray) -> np.ndarray:
 
 
 def forward_epilogue(z, mode, mean, inv_std, gamma, beta, code, p, y) -> None:
-    """y = f(gamma * (z - mean) * inv_std + beta) (f(z) with NO_NORM), z and y (N, P, C)."""
+    """y = f(gamma * (z - mean) * inv_std + beta) (f(z) with NO_NORM), z and y (N, P, C);
+    mean and inv_std (C,) or (N,) by `mode`, (1,) or more with NO_NORM."""
     rows = z.shape[0] * z.shape[1]
     run_tasks(_forward_epilogue, (rows + SPAN - 1) // SPAN, z.size, _rows(z), z.shape[1], mode, mean,
               inv_std, gamma, beta, code, p, _rows(y))
@@ -324,22 +323,19 @@ def forward_epilogue(z, mode, mean, inv_std, gamma, beta, code, p, y) -> None:
 @njit(nogil=True, cache=True)
 def _evaluate_epilogue(first, end, z, bias, mode, running_mean, running_var, eps, gamma, beta, code, p, y):
     rows, c = z.shape
-    mean = np.empty(c, z.dtype)
-    inv_std = np.empty(c, z.dtype)
+    mean = np.zeros(max(c, 1), z.dtype)
+    inv_std = np.ones(max(c, 1), z.dtype)
     if mode == BATCH_NORM:  # the running statistics as _statistics gives them: inv_std in float64, then rounded
         for j in range(c):
             mean[j] = running_mean[j]
             inv_std[j] = 1.0 / math.sqrt(np.float64(running_var[j]) + eps)
-    x_hat = np.empty((SPAN, c), z.dtype)
-    a = np.empty((SPAN, c), z.dtype)
-    for t0 in range(first * SPAN, min(rows, end * SPAN), SPAN):
-        t1 = min(rows, t0 + SPAN)
+    for task in range(first, end):  # a task's rows get their bias, then go through the forward's pass
         if bias.shape[0]:
-            for t in range(t0, t1):
+            for t in range(task * SPAN, min(rows, (task + 1) * SPAN)):
+                zr = z[t]
                 for j in range(c):
-                    z[t, j] += bias[j]
-        _norm_rows(mode, z, t0, t1, 1, mean, inv_std, gamma, beta, x_hat, a)
-        _activate_rows(code, a, p, y, t0, t1)
+                    zr[j] += bias[j]
+        _forward_epilogue(task, task + 1, z, 1, mode, mean, inv_std, gamma, beta, code, p, y)
 
 
 def evaluate_epilogue(z, bias, mode, running_mean, running_var, eps, gamma, beta, code, p, y) -> None:
@@ -354,37 +350,73 @@ def evaluate_epilogue(z, bias, mode, running_mean, running_var, eps, gamma, beta
 
 
 @njit(nogil=True, cache=True)
+def _gradients(t0, t1, z, d_y, pixels, mode, mean, inv_std, gamma, beta, code, p, d_a):
+    """d_a[t - t0] = f'(a) * d_y[t] for rows t0..t1, a as _activation_input gives it,
+    rounded to d_a's dtype as the reference rounds it."""
+    c = z.shape[1]
+    rows = range(t0, t1)
+    if _common(code):
+        for t in rows:
+            m, s = _row_statistics(mode, mean, inv_std, t // pixels)
+            zr, gr, out = z[t], d_y[t], d_a[t - t0]
+            for j in range(c):
+                out[j] = _common_gradient(code, _activation_input(mode, zr[j], j, m, s, mean, inv_std, gamma, beta),
+                                          gr[j])
+    else:
+        for t in rows:
+            m, s = _row_statistics(mode, mean, inv_std, t // pixels)
+            zr, gr, out = z[t], d_y[t], d_a[t - t0]
+            for j in range(c):
+                a = _activation_input(mode, zr[j], j, m, s, mean, inv_std, gamma, beta)
+                out[j] = derivative(code, np.float64(a), p) * gr[j]
+
+
+@njit(nogil=True, cache=True)
+def _norm_sums(t0, t1, z, d_a, m, s, mode, mean, inv_std, gamma, s_a, s_ax, by_sample):
+    """Adds rows t0..t1's d_a (d_a[t - t0]) and d_a * x_hat into s_a, s_ax (C,), and for
+    a layer norm, of the rows' sample (m, s), sum(d_a * gamma) and sum(d_a * gamma * x_hat)
+    into by_sample (2,). A loop a case (see _norm_gradients)."""
+    c = z.shape[1]
+    if mode == BATCH_NORM:
+        for t in range(t0, t1):
+            zr, g_row = z[t], d_a[t - t0]
+            for j in range(c):
+                s_a[j] += g_row[j]
+                s_ax[j] += np.float64(g_row[j]) * ((zr[j] - mean[j]) * inv_std[j])
+    else:
+        for t in range(t0, t1):
+            zr, g_row = z[t], d_a[t - t0]
+            for j in range(c):
+                s_a[j] += g_row[j]
+                s_ax[j] += np.float64(g_row[j]) * ((zr[j] - m) * s)
+            for j in range(c):  # one sum a sample, in element order
+                g = np.float64(g_row[j]) * gamma[j]
+                by_sample[0] += g
+                by_sample[1] += g * ((zr[j] - m) * s)
+
+
+@njit(nogil=True, cache=True)
 def _backward_sums(first, end, z, d_y, pixels, mode, mean, inv_std, gamma, beta, code, p, by_channel, by_sample):
     c = z.shape[1]
     chunks = (pixels + CHUNK_ROWS - 1) // CHUNK_ROWS
-    x_hat = np.empty((SPAN, c), z.dtype)
-    a = np.empty((SPAN, c), z.dtype)
     d_a = np.empty((SPAN, c), z.dtype)
     for task in range(first, end):
         i, k = task // chunks, task % chunks
-        s_a = by_channel[task, 0]
-        s_ax = by_channel[task, 1]
+        m, s = _row_statistics(mode, mean, inv_std, i)
         end_row = i * pixels + min(pixels, (k + 1) * CHUNK_ROWS)
         for t0 in range(i * pixels + k * CHUNK_ROWS, end_row, SPAN):
             t1 = min(end_row, t0 + SPAN)
-            _norm_rows(mode, z, t0, t1, pixels, mean, inv_std, gamma, beta, x_hat, a)
-            _grad_rows(code, a, p, d_y, t0, t1, d_a)
-            for r in range(t1 - t0):
-                for j in range(c):
-                    s_a[j] += d_a[r, j]
-                    s_ax[j] += np.float64(d_a[r, j]) * x_hat[r, j]
-                if mode == LAYER_NORM:
-                    for j in range(c):
-                        g = np.float64(d_a[r, j]) * gamma[j]
-                        by_sample[task, 0] += g
-                        by_sample[task, 1] += g * x_hat[r, j]
+            _gradients(t0, t1, z, d_y, pixels, mode, mean, inv_std, gamma, beta, code, p, d_a)
+            _norm_sums(t0, t1, z, d_a, m, s, mode, mean, inv_std, gamma, by_channel[task, 0], by_channel[task, 1],
+                       by_sample[task])
 
 
 def backward_sums(z, d_y, mode, mean, inv_std, gamma, beta, code, p) -> tuple[np.ndarray, np.ndarray]:
     """The norm's backward sums, float64: per channel (2, C) sum(d_a) and sum(d_a * x_hat)
     (d_beta, d_gamma), and, for layer norm, per sample (2, N) sum(d_a * gamma) and
     sum(d_a * gamma * x_hat) (its means need them); fixed chunks of rows within each
-    sample, added in order. d_a = f'(a) * d_y, a the activation's input; z, d_y (N, P, C)."""
+    sample, added in order. d_a = f'(a) * d_y, a the activation's input; z, d_y (N, P, C);
+    a norm's `mode` (BATCH_NORM or LAYER_NORM)."""
     n, pixels, c = z.shape
     chunks = (pixels + CHUNK_ROWS - 1) // CHUNK_ROWS
     by_channel = np.zeros((n * chunks, 2, c))
@@ -396,32 +428,43 @@ def backward_sums(z, d_y, mode, mean, inv_std, gamma, beta, code, p) -> tuple[np
 
 
 @njit(nogil=True, cache=True)
+def _norm_gradients(t0, t1, z, d_a, pixels, mode, mean, inv_std, gamma, batch_stats, mean_g, mean_gx, d_z):
+    """d_z[t] of rows t0..t1 from d_a[t - t0] = f'(a) * d_y[t], through the norm. Each case
+    its own loop, with no choice inside (a choice in the loop kept it scalar: 4x slower
+    where C is 16)."""
+    c = z.shape[1]
+    if not batch_stats:  # a batch norm's running statistics (a layer norm's are always the batch's)
+        for t in range(t0, t1):
+            g_row, out = d_a[t - t0], d_z[t]
+            for j in range(c):
+                out[j] = g_row[j] * gamma[j] * inv_std[j]
+    elif mode == BATCH_NORM:
+        for t in range(t0, t1):
+            zr, g_row, out = z[t], d_a[t - t0], d_z[t]
+            for j in range(c):
+                x_hat = (zr[j] - mean[j]) * inv_std[j]
+                out[j] = inv_std[j] * (g_row[j] * gamma[j] - mean_g[j] - x_hat * mean_gx[j])
+    else:
+        for t in range(t0, t1):
+            i = t // pixels
+            m, s, m_g, m_gx = mean[i], inv_std[i], mean_g[i], mean_gx[i]
+            zr, g_row, out = z[t], d_a[t - t0], d_z[t]
+            for j in range(c):
+                out[j] = s * (g_row[j] * gamma[j] - m_g - (zr[j] - m) * s * m_gx)
+
+
+@njit(nogil=True, cache=True)
 def _backward_epilogue(first, end, z, d_y, pixels, mode, mean, inv_std, gamma, beta, code, p, batch_stats, mean_g,
                        mean_gx, d_z):
     rows, c = z.shape
-    x_hat = np.empty((SPAN, c), z.dtype)
-    a = np.empty((SPAN, c), z.dtype)
     d_a = np.empty((SPAN, c), z.dtype)
-    for t0 in range(first * SPAN, min(rows, end * SPAN), SPAN):
-        t1 = min(rows, t0 + SPAN)
-        _norm_rows(mode, z, t0, t1, pixels, mean, inv_std, gamma, beta, x_hat, a)
-        _grad_rows(code, a, p, d_y, t0, t1, d_a)
-        for t in range(t0, t1):
-            r = t - t0
-            if mode == NO_NORM:
-                for j in range(c):
-                    d_z[t, j] = d_a[r, j]
-            elif not batch_stats:
-                for j in range(c):
-                    d_z[t, j] = d_a[r, j] * gamma[j] * inv_std[j]
-            elif mode == BATCH_NORM:
-                for j in range(c):
-                    d_z[t, j] = inv_std[j] * (d_a[r, j] * gamma[j] - mean_g[j] - x_hat[r, j] * mean_gx[j])
-            else:
-                i = t // pixels
-                s, m_g, m_gx = inv_std[i], mean_g[i], mean_gx[i]
-                for j in range(c):
-                    d_z[t, j] = s * (d_a[r, j] * gamma[j] - m_g - x_hat[r, j] * m_gx)
+    for task in range(first, end):
+        t0, t1 = task * SPAN, min(rows, (task + 1) * SPAN)
+        if mode == NO_NORM:
+            _gradients(t0, t1, z, d_y, pixels, mode, mean, inv_std, gamma, beta, code, p, d_z[t0:t1])
+        else:
+            _gradients(t0, t1, z, d_y, pixels, mode, mean, inv_std, gamma, beta, code, p, d_a)
+            _norm_gradients(t0, t1, z, d_a, pixels, mode, mean, inv_std, gamma, batch_stats, mean_g, mean_gx, d_z)
 
 
 def backward_epilogue(z, d_y, mode, mean, inv_std, gamma, beta, code, p, batch_stats, mean_g, mean_gx, d_z) -> None:
