@@ -528,7 +528,7 @@ def test_the_cpu_column_sums_add_in_float64_in_one_chunk_or_several(chunks):
 
     rows = max(1, int(chunks * kernels.CHUNK_ROWS))
     a = (np.random.default_rng(rows).standard_normal((rows, 16)) * 1e3 + 1e4).astype(np.float32)
-    sums, squares = kernels.column_sums(a, np.zeros(16))
+    sums, squares = (kernels.column_sums(a, np.zeros(16), power) for power in (1, 2))
     exact = np.array([math.fsum(column) for column in a.astype(np.float64).T])
     assert sums.dtype == np.float64
     np.testing.assert_allclose(sums, exact, rtol=1e-13)

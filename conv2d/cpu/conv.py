@@ -299,4 +299,4 @@ def bias_backward(d_z: np.ndarray) -> np.ndarray:
     """d_b[oc] = sum_{n, oh, ow} d_z[n, oh, ow, oc], (OC,), summed in float64 in fixed
     chunks (conv2d.cpu.kernels.column_sums), in d_z's dtype."""
     c = d_z.shape[-1]
-    return kernels.column_sums(d_z.reshape(-1, c), np.zeros(c))[0].astype(d_z.dtype)
+    return kernels.column_sums(d_z.reshape(-1, c), np.zeros(c), 1).astype(d_z.dtype)

@@ -70,8 +70,8 @@ def _statistics(spec: LayerSpec, z: np.ndarray, training: bool, running: dict | 
         sums = kernels.row_sums if layer else kernels.column_sums
         count = flat.shape[1] if layer else flat.shape[0]
         width = flat.shape[0] if layer else flat.shape[1]
-        mean = sums(flat, np.zeros(width))[0] / count
-        var = sums(flat, mean)[1] / count
+        mean = sums(flat, np.zeros(width), 1) / count
+        var = sums(flat, mean, 2) / count
         if not layer and running is not None:
             momentum = spec.bn_momentum
             if momentum is None:  # the cumulative average, as PyTorch's momentum=None
