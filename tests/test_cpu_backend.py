@@ -290,21 +290,23 @@ def test_the_3x3_depthwise_forward_gives_the_general_loops_bits(stride, dilation
     np.testing.assert_array_equal(three.view(np.uint8), general.view(np.uint8))  # the signs of zeros too
 
 
-@pytest.mark.parametrize("dilation, mode", [((1, 1), "zeros"), ((2, 1), "zeros"), ((1, 1), "reflect"),
-                                            ((1, 2), "circular")])
-def test_the_3x3_depthwise_input_gradient_gathered_on_large_maps_equals_the_reference(dilation, mode):
-    """Stride 1 on maps of 16x16 and more: the forward's 3x3 loop over the padded d_z with
-    the taps flipped, against the reference's float64 adjoint (and so the loop that adds
-    each output's taps back, which the smaller maps of the test above check)."""
+@pytest.mark.parametrize("dilation, padding, mode", [
+    ((1, 1), ((1, 1), (1, 1)), "zeros"), ((2, 1), ((2, 2), (2, 2)), "zeros"),
+    ((1, 1), ((2, 0), (1, 2)), "zeros"),  # uneven: d_z padded by 0 to 2 a side
+    ((1, 1), ((3, 1), (1, 1)), "zeros"),  # more than the kernel reaches: padded d_x, then its interior
+    ((1, 1), ((1, 1), (1, 1)), "reflect"), ((1, 2), ((2, 2), (2, 2)), "circular")])
+@pytest.mark.parametrize("input_hw", [(19, 17), (6, 7)])
+def test_the_3x3_depthwise_input_gradient_gathered_equals_the_reference(dilation, padding, mode, input_hw):
+    """Stride 1: the forward's 3x3 loop over the padded d_z with the taps flipped, against
+    the reference's float64 adjoint, on MobileNetV2-sized and small maps; with zero
+    padding, d_z padded only as far as d_x's positions need."""
     rng = np.random.default_rng(3)
     c = 6
-    x = rng.standard_normal((2, 19, 17, c))
+    x = rng.standard_normal((2, *input_hw, c))
     w = rng.standard_normal((c, 3, 3, 1))
-    padding = ((2, 2), (2, 2)) if dilation != (1, 1) else ((1, 1), (1, 1))
     y = reference_conv.conv_forward(x, w, (1, 1), padding, dilation=dilation, groups=c, mode=mode)
-    assert min(y.shape[1:3]) >= 16  # the gathered path's maps
     d_z = rng.standard_normal(y.shape)
     np.testing.assert_allclose(
-        cpu_conv.conv_backward_data(w, d_z, (19, 17), (1, 1), padding, dilation=dilation, groups=c, mode=mode),
-        reference_conv.conv_backward_data(w, d_z, (19, 17), (1, 1), padding, dilation=dilation, groups=c, mode=mode),
+        cpu_conv.conv_backward_data(w, d_z, input_hw, (1, 1), padding, dilation=dilation, groups=c, mode=mode),
+        reference_conv.conv_backward_data(w, d_z, input_hw, (1, 1), padding, dilation=dilation, groups=c, mode=mode),
         rtol=1e-13, atol=1e-13)
