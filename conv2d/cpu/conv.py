@@ -7,8 +7,9 @@ All arrays NHWC and C-contiguous, in one float dtype (the caller's compute dtype
 `x` (N, H, W, C), weights `w` (OC, KH, KW, C / groups), `d_z` (N, OH, OW, OC). `dilation`
 spaces the kernel's taps; with `groups`, channel group g of x (C / groups channels) makes
 output channels group g (OC / groups) with its own weights, one convolution a group. The forward and
-backward-filter convolutions are a strided window view of the padded input and one
-matrix product per block of samples; backward-data is one product per block and a
+backward-filter convolutions copy a block of samples' windows into one matrix (im2col: a
+compiled loop for zero padding, NumPy's copy of the padded window view for the other
+modes) and make one matrix product a block; backward-data is one product per block and a
 compiled loop that adds its taps back. BLAS does the work. Depthwise convolutions (C / groups = 1) are memory-bound
 loops, one product of a few taps an output, where a matrix product a channel would
 cost more in Python than in arithmetic.
@@ -64,30 +65,40 @@ def _window_layout(padded_shape: tuple, kernel: tuple[int, int], stride: tuple[i
     return (n, oh, ow, kh, kw, c), (hp * s_h, sh * s_h, sw * s_w, dh * s_h, dw * s_w, itemsize)
 
 
-# Up to this many values the windows of one block are copied by conv_kernels.im2col (less
-# setup), above it by NumPy (a faster copy): conv_kernels.im2col's docstring has the numbers.
-SMALL_COLUMNS = 8192
-
-
-def _compiled_columns(rows: int, width: int, mode: str) -> bool:
-    """Whether a block's windows, (rows, width) copied, are copied by conv_kernels.im2col."""
-    return mode == "zeros" and rows * width <= SMALL_COLUMNS
+def _compiled_columns(x: np.ndarray, mode: str) -> bool:
+    """Whether x's windows are copied by conv_kernels.im2col (zero padding, C-contiguous x:
+    faster than NumPy's copy of the padded window view, without the padded copy) or by
+    NumPy (the other padding modes)."""
+    return mode == "zeros" and x.flags.c_contiguous
 
 
 def _columns(x: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple,
              dilation: tuple[int, int], mode: str) -> np.ndarray:
     """The windows of x (N, H, W, C) padded as `mode` says, as one matrix (N*OH*OW, KH*KW*C)
     (im2col), a copy."""
+    return _block_columns(x, kernel, stride, padding, dilation, mode)(0, x.shape[0], None)
+
+
+def _block_columns(x: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple,
+                   dilation: tuple[int, int], mode: str) -> Callable:
+    """columns(i, m, out): the windows of samples i..i+m of x (N, H, W, C) padded as `mode`
+    says, as one matrix (m*OH*OW, KH*KW*C), written into the first rows of `out` where it
+    is given (a buffer of a block's rows, reused block after block), else new."""
     (kh, kw), c = kernel, x.shape[3]
-    padded = _padded_hw(x.shape, padding)
-    oh, ow = _output_size(padded, kernel, stride, dilation)
-    rows, width = x.shape[0] * oh * ow, kh * kw * c
-    if _compiled_columns(rows, width, mode) and x.flags.c_contiguous:
+    oh, ow = _output_size(_padded_hw(x.shape, padding), kernel, stride, dilation)
+    width = kh * kw * c
+    if _compiled_columns(x, mode):
         (top, _), (left, _) = pads_of(padding)
-        cols = np.empty((rows, width), x.dtype)
-        conv_kernels.im2col(x, top, left, *stride, *dilation, kh, kw, oh, ow, cols)
-        return cols
-    return _windows(pad(x, padding, mode), kernel, stride, dilation).reshape(rows, width)
+        (sh, sw), (dh, dw) = stride, dilation
+
+        def compiled(i: int, m: int, out: np.ndarray | None) -> np.ndarray:
+            cols = np.empty((m * oh * ow, width), x.dtype) if out is None else out[:m * oh * ow]
+            conv_kernels.im2col(x[i:i + m], top, left, sh, sw, dh, dw, kh, kw, oh, ow, cols)
+            return cols
+        return compiled
+    view = _windows(pad(x, padding, mode), kernel, stride, dilation)
+    # The reshape copies the overlapping windows into one matrix (im2col).
+    return lambda i, m, out: view[i:i + m].reshape(-1, width)
 
 
 def _padded_hw(shape: tuple, padding: tuple) -> tuple[int, int]:
@@ -152,13 +163,12 @@ def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
     if step >= n:  # one block (an acting call): the product alone, no tasks
         np.matmul(_columns(x, (kh, kw), stride, padding, dilation, mode), w_t, out=y.reshape(-1, oc))
         return y
-    cols = _windows(pad(x, padding, mode), (kh, kw), stride, dilation)
+    columns = _block_columns(x, (kh, kw), stride, padding, dilation, mode)
 
     def blocks(first: int, end: int) -> None:
+        buffer = np.empty((step * oh * ow, kh * kw * c), x.dtype)
         for i in range(first * step, min(n, end * step), step):
-            # The reshape copies the overlapping windows into one matrix (im2col).
-            block = cols[i:i + step].reshape(-1, kh * kw * c)
-            np.matmul(block, w_t, out=y[i:i + step].reshape(-1, oc))
+            np.matmul(columns(i, min(step, n - i), buffer), w_t, out=y[i:i + step].reshape(-1, oc))
     kernels.run_tasks(blocks, -(-n // step), y.size * kh * kw * c)
     return y
 
@@ -181,7 +191,7 @@ def forward_function(x_shape: tuple[int, int, int, int], w: np.ndarray, stride: 
     (top, _), (left, _) = pads_of(padding)
     w_t = w.reshape(oc, width).T
     (sh, sw), (dh, dw) = stride, dilation
-    if not _compiled_columns(rows, width, mode):
+    if mode != "zeros":  # x is C-contiguous: zero padding's windows are conv_kernels.im2col's
         # One block, NumPy's copy of the windows (conv_forward's), the window view's
         # strides worked out here: on IMPALA's acting calls the per-call shape work was
         # about a tenth of a layer's time.
@@ -219,14 +229,15 @@ def conv_backward_filter(x: np.ndarray, d_z: np.ndarray, kernel: tuple[int, int]
     n, oh, ow, oc = d_z.shape
     kh, kw = kernel
     c = x.shape[3]
-    cols = _windows(pad(x, padding, mode), kernel, stride, dilation)
+    columns = _block_columns(x, kernel, stride, padding, dilation, mode)
     step = _block_samples(oh * ow * kh * kw * c * x.itemsize)
     part = np.empty((-(-n // step), oc, kh * kw * c), dtype=np.result_type(x, d_z))
 
     def blocks(first: int, end: int) -> None:
+        buffer = np.empty((step * oh * ow, kh * kw * c), x.dtype)
         for b in range(first, end):
             i = b * step
-            np.matmul(d_z[i:i + step].reshape(-1, oc).T, cols[i:i + step].reshape(-1, kh * kw * c), out=part[b])
+            np.matmul(d_z[i:i + step].reshape(-1, oc).T, columns(i, min(step, n - i), buffer), out=part[b])
     kernels.run_tasks(blocks, part.shape[0], d_z.size * kh * kw * c)
     d_w = part[0].copy()
     for b in range(1, part.shape[0]):  # the blocks' sums added in order
