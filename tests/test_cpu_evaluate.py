@@ -1,7 +1,7 @@
 """The cpu backend's evaluate: bitwise its forward's y (training=False) on every kind of
 layer, whether fused into one pass after the convolution or not; the prepared evaluate
 (conv2d.backend.Preparing) bitwise evaluate's, reading the parameters' values at each
-call; the small-call im2col against NumPy's padded windows."""
+call; the compiled im2col against NumPy's padded windows."""
 
 import numpy as np
 import pytest
@@ -38,8 +38,8 @@ LAYERS = {
     "batch_invariant": dict(in_channels=4, out_channels=5, kernel=3, padding=1, normalization="batch_norm",
                             batch_invariant=True, activation="relu"),
 }
-# One sample of 9x7 (the small im2col), one of 33x31 (NumPy's windows, one block) and 16
-# samples of 33x31 (NumPy's windows, blocks).
+# One sample of 9x7, one of 33x31 (one block) and 16 samples of 33x31 (blocks); the
+# padding modes other than zeros go through NumPy's windows.
 SIZES = {"acting": (1, 9, 7), "acting_large": (1, 33, 31), "batch": (16, 33, 31)}
 
 
@@ -112,11 +112,12 @@ def test_a_prepared_evaluate_checks_its_arrays_once_when_made():
     ((3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1)), ((3, 3), (2, 2), ((1, 1), (1, 1)), (1, 1)),
     ((4, 4), (1, 1), ((0, 0), (0, 0)), (1, 1)), ((3, 2), (2, 1), ((2, 0), (0, 3)), (1, 2)),
     ((8, 8), (4, 4), ((0, 0), (0, 0)), (1, 1)), ((2, 3), (1, 3), ((1, 2), (2, 1)), (3, 1))])
-def test_the_small_im2col_equals_numpys_padded_windows(kernel, stride, padding, dilation, dtype):
+@pytest.mark.parametrize("channels", [1, 3, 16])
+def test_the_compiled_im2col_equals_numpys_padded_windows(kernel, stride, padding, dilation, dtype, channels):
     rng = np.random.default_rng(7)
-    x = rng.standard_normal((2, 12, 11, 3)).astype(dtype)
+    x = rng.standard_normal((2, 12, 11, channels)).astype(dtype)
     windows = cpu_conv._windows(cpu_conv.pad(x, padding), kernel, stride, dilation)
-    want = windows.reshape(-1, kernel[0] * kernel[1] * 3)
+    want = windows.reshape(-1, kernel[0] * kernel[1] * channels)
     cols = np.full(want.shape, np.nan, dtype)
     conv_kernels.im2col(x, padding[0][0], padding[1][0], *stride, *dilation, *kernel, *windows.shape[1:3], cols)
     _same_bits(cols, want)
