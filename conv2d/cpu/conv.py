@@ -251,8 +251,9 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
     """d_x (N, H, W, C): the transpose of `conv_forward` applied to `d_z`.
 
     One matrix product a block of samples, d_z (rows, OC) @ w (OC, KH*KW*C), gives every
-    output position's taps, which a compiled loop adds into the padded gradient
-    (conv2d.cpu.conv_kernels.add_windows, the adjoint of the forward's windows). A product a
+    output position's taps, which a compiled loop adds into d_x (conv2d.cpu.conv_kernels.
+    add_windows, the adjoint of im2col; with a padding mode other than zeros into the
+    padded gradient, whose border is then folded back). A product a
     tap (K = OC) with NumPy's strided adds was measured 1.3-1.5x slower on the IMPALA and
     Nature-DQN shapes. A 1x1 stride-1 convolution without padding is the product alone.
     Blocks of samples keep the taps in cache; `per_sample`: blocks of one sample, as in
@@ -302,15 +303,22 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
                 np.matmul(d_z[b:b + step].reshape(-1, oc), w_all, out=d_x[b:b + step].reshape(-1, c))
         kernels.run_tasks(products, -(-n // step), d_z.size * c)
         return d_x
-    d_xp = np.zeros((n, input_hw[0] + top + bottom, input_hw[1] + left + right, c), dtype)
+    # Zero padding's gradient is the taps that land inside x, added into d_x itself; the
+    # other modes add them all into the padded gradient and fold its border back (unpad).
+    inside = mode == "zeros"
+    d_xp = np.zeros((n, *input_hw, c) if inside else (n, input_hw[0] + top + bottom, input_hw[1] + left + right, c),
+                    dtype)
+    offsets = (top, left) if inside else (0, 0)
     step = 1 if per_sample else _block_samples(oh * ow * kh * kw * c * d_xp.itemsize)
 
     def blocks(first: int, end: int) -> None:
+        buffer = np.empty((step * oh * ow, kh * kw * c), dtype)
         for b in range(first * step, min(n, end * step), step):
-            taps = (d_z[b:b + step].reshape(-1, oc) @ w_all).reshape(-1, oh, ow, kh, kw, c)
-            conv_kernels.add_windows(taps, stride, dilation, d_xp[b:b + step])
+            m = min(step, n - b)
+            taps = np.matmul(d_z[b:b + m].reshape(-1, oc), w_all, out=buffer[:m * oh * ow])
+            conv_kernels.add_windows(taps.reshape(m, oh, ow, kh, kw, c), *offsets, stride, dilation, d_xp[b:b + m])
     kernels.run_tasks(blocks, -(-n // step), d_z.size * kh * kw * c)
-    return unpad(d_xp, padding, mode, input_hw)
+    return d_xp if inside else unpad(d_xp, padding, mode, input_hw)
 
 
 def bias_backward(d_z: np.ndarray) -> np.ndarray:

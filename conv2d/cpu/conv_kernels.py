@@ -64,23 +64,47 @@ def im2col(x, top, left, sh, sw, dh, dw, kh, kw, oh, ow, cols):
 
 # Dense convolutions' input gradient --------------------------------------------------------
 @njit(nogil=True, cache=True)
-def add_windows(g, stride, dilation, d_xp):
-    """d_xp (N, Hp, Wp, C) += each output position's taps g (N, OH, OW, KH, KW, C): the
-    adjoint of the forward's windows (col2im). Each sample's positions in order, taps in
-    (kh, kw) order, so an element's sum has one order whatever the blocks or threads."""
+def add_windows(g, top, left, stride, dilation, d_x):
+    """d_x (N, H, W, C) += each output position's taps g (N, OH, OW, KH, KW, C), the taps
+    that land in x (padded by `top` rows and `left` columns, as im2col reads it): the
+    adjoint of im2col (col2im); taps on the padding are dropped (zero padding's gradient),
+    and with top = left = 0 and d_x the padded gradient none are. Each sample's positions
+    in order, taps in (kh, kw) order, so an element's sum has one order whatever the
+    blocks or threads. Without dilation a window row's taps inside x are one contiguous
+    span of d_x, added as one (a loop over slices, as im2col's: 1.5-1.9x faster on
+    IMPALA's maps than a loop a tap)."""
     n, oh, ow, kh, kw, c = g.shape
+    h, w = d_x.shape[1], d_x.shape[2]
     sh, sw = stride
     dh, dw = dilation
+    span = kw * c
+    rows = g.reshape(n, oh, ow, kh, span)
+    d_xr = d_x.reshape(d_x.shape[0], h, w * c)
     for i in range(n):
         for r in range(oh):
             for col in range(ow):
+                x0 = col * sw - left
+                first, end = max(0, -x0), min(kw, w - x0)  # the taps inside x, without dilation
                 for a in range(kh):
-                    out_row = d_xp[i, r * sh + a * dh]
-                    for b in range(kw):
-                        out = out_row[col * sw + b * dw]
-                        tap = g[i, r, col, a, b]
-                        for k in range(c):
-                            out[k] += tap[k]
+                    yy = r * sh - top + a * dh
+                    if yy < 0 or yy >= h:
+                        continue
+                    out_row = d_xr[i, yy]
+                    taps = rows[i, r, col, a]
+                    if dw == 1:
+                        if end > first:
+                            out = out_row[(x0 + first) * c:(x0 + end) * c]
+                            inside = taps[first * c:end * c]
+                            for k in range(out.size):
+                                out[k] += inside[k]
+                    else:
+                        for b in range(kw):
+                            xx = x0 + b * dw
+                            if 0 <= xx < w:
+                                d = out_row[xx * c:(xx + 1) * c]
+                                t = taps[b * c:(b + 1) * c]
+                                for ch in range(c):
+                                    d[ch] += t[ch]
 
 
 # Depthwise convolutions (groups = C, each input channel makes `mult` output channels) -----
