@@ -153,7 +153,8 @@ def test_a_thread_count_other_than_none_torch_or_a_positive_int_is_refused(bad):
         Conv2d(spec, "cpu", threads=bad)
 
 
-@pytest.mark.parametrize("stride, dilation, mult", [((1, 1), (1, 1), 1), ((2, 1), (1, 2), 1), ((2, 2), (2, 1), 3)])
+@pytest.mark.parametrize("stride, dilation, mult", [((1, 1), (1, 1), 1), ((1, 1), (2, 1), 1), ((2, 1), (1, 2), 1),
+                                                    ((2, 2), (2, 1), 3)])
 def test_depthwise_loops_equal_the_reference_convolutions_in_float64(stride, dilation, mult):
     rng = np.random.default_rng(0)
     c = 5

@@ -245,13 +245,55 @@ def _depthwise_backward_filter(first, end, xp, d_z, stride, dilation, part):
                     part[t, a, b, o] = acc[o]
 
 
+@njit(nogil=True, cache=True)
+def _depthwise_backward_filter_rows(first, end, xp, d_z, dilation, kh, kw, part):
+    # _depthwise_backward_filter for stride 1 and one output channel an input channel: a
+    # tap's products of an output row are one contiguous span of d_z's row and one of
+    # the padded input's (each output column's channels in turn), multiplied and added
+    # into a (OW*C) sum a tap in one loop over slices; the chunk's rows summed per column
+    # first, then the columns in order. 1.1-1.5x faster on MobileNetV2-like's stride-1
+    # maps than a loop a pixel.
+    n, oh, ow, c = d_z.shape
+    dh, dw = dilation
+    span = ow * c
+    per_sample = (oh + DEPTHWISE_CHUNK_ROWS - 1) // DEPTHWISE_CHUNK_ROWS
+    xr = xp.reshape(xp.shape[0], xp.shape[1], xp.shape[2] * c)
+    gr = d_z.reshape(n, oh, span)
+    acc = np.empty((kh, kw, span), d_z.dtype)
+    for t in range(first, end):
+        i, k = t // per_sample, t % per_sample
+        acc[:] = 0
+        for r in range(k * DEPTHWISE_CHUNK_ROWS, min(oh, (k + 1) * DEPTHWISE_CHUNK_ROWS)):
+            g = gr[i, r]
+            for a in range(kh):
+                x_row = xr[i, r + a * dh]
+                for b in range(kw):
+                    sums = acc[a, b]
+                    shifted = x_row[b * dw * c:b * dw * c + span]
+                    for j in range(span):
+                        sums[j] += g[j] * shifted[j]
+        for a in range(kh):
+            for b in range(kw):
+                sums = acc[a, b]
+                out = part[t, a, b]
+                for col in range(ow):
+                    column = sums[col * c:(col + 1) * c]
+                    for o in range(c):
+                        out[o] += column[o]
+
+
 def depthwise_backward_filter(xp, d_z, kernel, stride, dilation) -> np.ndarray:
     """d_w (KH, KW, OC) float64: sum over n, oh, ow of d_z[n, oh, ow, o] * the tap's input;
     each chunk of DEPTHWISE_CHUNK_ROWS output rows of one sample summed a tap at a time in
-    the arrays' dtype (the tap's sums stay in cache: 4x faster than all taps a pixel), the
-    chunks' sums added in order in float64."""
+    the arrays' dtype (the tap's sums stay in cache: 4x faster than all taps a pixel;
+    with stride 1 and one output channel an input channel, each output column's sum over
+    the chunk's rows first, then the columns'), the chunks' sums added in order in float64."""
     n, oh = d_z.shape[:2]
     tasks = n * ((oh + DEPTHWISE_CHUNK_ROWS - 1) // DEPTHWISE_CHUNK_ROWS)
     part = np.zeros((tasks, kernel[0], kernel[1], d_z.shape[3]))
-    run_tasks(_depthwise_backward_filter, tasks, xp.size + d_z.size, xp, d_z, stride, dilation, part)
+    if tuple(stride) == (1, 1) and d_z.shape[3] == xp.shape[3]:
+        run_tasks(_depthwise_backward_filter_rows, tasks, xp.size + d_z.size, xp, d_z, dilation, kernel[0],
+                  kernel[1], part)
+    else:
+        run_tasks(_depthwise_backward_filter, tasks, xp.size + d_z.size, xp, d_z, stride, dilation, part)
     return in_order(part)
