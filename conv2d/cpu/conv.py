@@ -292,8 +292,12 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
             d_xp = np.empty(shape, dtype)
             conv_kernels.depthwise_forward(d_zp, taps, (1, 1), dilation, d_xp)
             return unpad(d_xp, padding, mode, input_hw)
+        if mode == "zeros":  # the taps inside x, added into d_x itself
+            d_x = np.zeros((n, *input_hw, groups), dtype)
+            conv_kernels.depthwise_backward_data(d_z, _taps(w, dtype), top, left, stride, dilation, d_x)
+            return d_x
         d_xp = np.zeros(shape, dtype)
-        conv_kernels.depthwise_backward_data(d_z, _taps(w, dtype), stride, dilation, d_xp)
+        conv_kernels.depthwise_backward_data(d_z, _taps(w, dtype), 0, 0, stride, dilation, d_xp)
         return unpad(d_xp, padding, mode, input_hw)
     if groups > 1:
         return by_group(groups, lambda wg, dg: conv_backward_data(wg, dg, input_hw, stride, padding, per_sample,

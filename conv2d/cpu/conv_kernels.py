@@ -185,10 +185,10 @@ def depthwise_forward(xp, w, stride, dilation, y) -> None:
 
 
 @njit(nogil=True, cache=True)
-def _depthwise_backward_data(first, end, d_z, w, stride, dilation, d_xp):
+def _depthwise_backward_data(first, end, d_z, w, top, left, stride, dilation, d_x):
     n, oh, ow, oc = d_z.shape
     kh, kw = w.shape[0], w.shape[1]
-    c = d_xp.shape[3]
+    h, wd, c = d_x.shape[1], d_x.shape[2], d_x.shape[3]
     mult = oc // c
     sh, sw = stride
     dh, dw = dilation
@@ -197,8 +197,14 @@ def _depthwise_backward_data(first, end, d_z, w, stride, dilation, d_xp):
             for col in range(ow):
                 g = d_z[i, r, col]
                 for a in range(kh):
+                    yy = r * sh + a * dh - top
+                    if yy < 0 or yy >= h:
+                        continue
                     for b in range(kw):
-                        out = d_xp[i, r * sh + a * dh, col * sw + b * dw]
+                        xx = col * sw + b * dw - left
+                        if xx < 0 or xx >= wd:
+                            continue
+                        out = d_x[i, yy, xx]
                         tap = w[a, b]
                         if mult == 1:
                             for o in range(oc):
@@ -209,10 +215,12 @@ def _depthwise_backward_data(first, end, d_z, w, stride, dilation, d_xp):
                                     out[ch] += g[ch * mult + j] * tap[ch * mult + j]
 
 
-def depthwise_backward_data(d_z, w, stride, dilation, d_xp) -> None:
-    """d_xp (N, Hp, Wp, C), zeroed, += each output position's taps: one task a sample, its
+def depthwise_backward_data(d_z, w, top, left, stride, dilation, d_x) -> None:
+    """d_x (N, H, W, C), zeroed, += each output position's taps that land in x (padded by
+    `top` rows and `left` columns; taps on the padding dropped, zero padding's gradient;
+    with top = left = 0 and the padded gradient, none are): one task a sample, its
     positions in order."""
-    run_tasks(_depthwise_backward_data, d_z.shape[0], d_z.size + d_xp.size, d_z, w, stride, dilation, d_xp)
+    run_tasks(_depthwise_backward_data, d_z.shape[0], d_z.size + d_x.size, d_z, w, top, left, stride, dilation, d_x)
 
 
 @njit(nogil=True, cache=True)
