@@ -286,9 +286,36 @@ def test_the_3x3_depthwise_forward_gives_the_general_loops_bits(stride, dilation
     oh = (13 - 2 * dilation[0] - 1) // stride[0] + 1
     ow = (12 - 2 * dilation[1] - 1) // stride[1] + 1
     general, three = np.empty((3, oh, ow, 37), dtype), np.empty((3, oh, ow, 37), dtype)
-    conv_kernels._depthwise_forward(0, 3 * oh, xp, w, stride, dilation, general)
-    conv_kernels._depthwise_forward_3x3(0, 3 * oh, xp, w, stride, dilation, three)
+    conv_kernels._depthwise_forward(0, 3 * oh, xp, w, 0, 0, stride, dilation, general)
+    conv_kernels._depthwise_forward_3x3(0, 3 * oh, xp, w, 0, 0, stride, dilation, three)
     np.testing.assert_array_equal(three.view(np.uint8), general.view(np.uint8))  # the signs of zeros too
+
+
+@pytest.mark.parametrize("kernel, mult", [(3, 1), (3, 2), (5, 1)])
+@pytest.mark.parametrize("stride, dilation", [((1, 1), (1, 1)), ((2, 2), (1, 1)), ((2, 1), (1, 2))])
+def test_the_depthwise_loops_read_zero_padding_as_a_padded_copy_would(kernel, mult, stride, dilation):
+    """The depthwise forward and filter-gradient loops read positions outside x as zeros
+    (no padded copy): the bits of the same loops over the padded copy, the products with
+    an infinite weight or gradient (NaN) and the signs of zeros included."""
+    rng = np.random.default_rng(4)
+    c, (top, bottom), (left, right) = 3, (2, 1), (1, 2)
+    x = rng.standard_normal((2, 9, 8, c))
+    x[0, :2] = -0.0
+    xp = np.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)))
+    w = rng.standard_normal((kernel, kernel, c * mult))
+    w[0, 0, 0] = np.inf
+    oh = (9 + top + bottom - (kernel - 1) * dilation[0] - 1) // stride[0] + 1
+    ow = (8 + left + right - (kernel - 1) * dilation[1] - 1) // stride[1] + 1
+    loop = conv_kernels._depthwise_forward_3x3 if kernel == 3 and mult == 1 else conv_kernels._depthwise_forward
+    read, copied = np.empty((2, oh, ow, c * mult)), np.empty((2, oh, ow, c * mult))
+    loop(0, 2 * oh, x, w, top, left, stride, dilation, read)
+    loop(0, 2 * oh, xp, w, 0, 0, stride, dilation, copied)
+    np.testing.assert_array_equal(read.view(np.uint8), copied.view(np.uint8))
+    d_z = rng.standard_normal((2, oh, ow, c * mult))
+    d_z[1, 0, 0, 0] = np.inf
+    np.testing.assert_array_equal(
+        conv_kernels.depthwise_backward_filter(x, d_z, (kernel, kernel), top, left, stride, dilation).view(np.uint8),
+        conv_kernels.depthwise_backward_filter(xp, d_z, (kernel, kernel), 0, 0, stride, dilation).view(np.uint8))
 
 
 @pytest.mark.parametrize("dilation, padding, mode", [

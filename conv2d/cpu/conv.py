@@ -104,6 +104,15 @@ def _block_columns(x: np.ndarray, kernel: tuple[int, int], stride: tuple[int, in
     return lambda i, m, out: view[i:i + m].reshape(-1, width)
 
 
+def _padded_input(x: np.ndarray, padding: tuple, mode: str) -> tuple[np.ndarray, int, int]:
+    """(x, top, left) for the depthwise loops, which read zeros outside x themselves
+    (conv2d.cpu.conv_kernels): x itself with zero padding, else the padded copy, 0, 0."""
+    if mode == "zeros":
+        (top, _), (left, _) = pads_of(padding)
+        return x, top, left
+    return pad(x, padding, mode), 0, 0
+
+
 def _padded_hw(shape: tuple, padding: tuple) -> tuple[int, int]:
     (top, bottom), (left, right) = pads_of(padding)
     return shape[1] + top + bottom, shape[2] + left + right
@@ -148,11 +157,10 @@ def conv_forward(x: np.ndarray, w: np.ndarray, stride: tuple[int, int],
     kernel (and so its summation order) by the product's shape, so blocks of samples give
     a sample other bits at another batch size; one sample at a time gives it the same."""
     if _depthwise(groups, x.shape[3]):
-        xp = pad(x, padding, mode)
-        n, hp, wp, _ = xp.shape
-        oh, ow = _output_size((hp, wp), w.shape[1:3], stride, dilation)
-        y = np.empty((n, oh, ow, w.shape[0]), dtype=np.result_type(x, w))
-        conv_kernels.depthwise_forward(xp, _taps(w, y.dtype), stride, dilation, y)
+        oh, ow = _output_size(_padded_hw(x.shape, padding), w.shape[1:3], stride, dilation)
+        y = np.empty((x.shape[0], oh, ow, w.shape[0]), dtype=np.result_type(x, w))
+        source, top, left = _padded_input(x, padding, mode)
+        conv_kernels.depthwise_forward(source, _taps(w, y.dtype), top, left, stride, dilation, y)
         return y
     if groups > 1:
         return by_group(groups, lambda xg, wg: conv_forward(xg, wg, stride, padding, per_sample, dilation,
@@ -228,7 +236,8 @@ def conv_backward_filter(x: np.ndarray, d_z: np.ndarray, kernel: tuple[int, int]
     """d_w[oc, kh, kw, c] = sum_{n, oh, ow} d_z[n, oh, ow, oc] * xp[n, oh*SH + kh, ow*SW + kw, c]
     (taps kh*DH, kw*DW with dilation; within each channel group)."""
     if _depthwise(groups, x.shape[3]):
-        d_w = conv_kernels.depthwise_backward_filter(pad(x, padding, mode), d_z, tuple(kernel), stride, dilation)
+        source, top, left = _padded_input(x, padding, mode)
+        d_w = conv_kernels.depthwise_backward_filter(source, d_z, tuple(kernel), top, left, stride, dilation)
         return np.ascontiguousarray(np.moveaxis(d_w, -1, 0))[..., None].astype(np.result_type(x, d_z), copy=False)
     if groups > 1:
         # Each group's (OC / groups, KH, KW, C / groups) joined along OC: d_w's first axis.
@@ -285,12 +294,10 @@ def conv_backward_data(w: np.ndarray, d_z: np.ndarray, input_hw: tuple[int, int]
                 # Zero padding's gradient is d_xp's interior: d_z padded by less gives
                 # just that, the same sums, without the border positions or their copy.
                 d_x = np.empty((n, *input_hw, groups), dtype)
-                d_zp = pad(d_z, ((2 * dh - top, 2 * dh - bottom), (2 * dw - left, 2 * dw - right)))
-                conv_kernels.depthwise_forward(d_zp, taps, (1, 1), dilation, d_x)
+                conv_kernels.depthwise_forward(d_z, taps, 2 * dh - top, 2 * dw - left, (1, 1), dilation, d_x)
                 return d_x
-            d_zp = pad(d_z, ((2 * dh, 2 * dh), (2 * dw, 2 * dw)))
             d_xp = np.empty(shape, dtype)
-            conv_kernels.depthwise_forward(d_zp, taps, (1, 1), dilation, d_xp)
+            conv_kernels.depthwise_forward(d_z, taps, 2 * dh, 2 * dw, (1, 1), dilation, d_xp)
             return unpad(d_xp, padding, mode, input_hw)
         if mode == "zeros":  # the taps inside x, added into d_x itself
             d_x = np.zeros((n, *input_hw, groups), dtype)
