@@ -196,10 +196,10 @@ def test_the_module_host_cost_script_times_both_rows_and_profiles_ours_on_the_cp
     assert "| row | module alone us | empty node us | PyTorch us |" in out  # stubbed backend, empty node
 
 
-def test_the_networks_benchmark_times_what_a_network_costs_besides_our_layers():
-    """--rest: a third side on eager acting rows, our network with each swapped module's
-    output cached; it runs the network's other parts (the Nature-DQN's linear head) alone,
-    so it takes less than ours and more than nothing."""
+def test_the_networks_benchmark_writes_a_network_without_our_layers_as_a_third_side():
+    """--rest: eager acting rows gain the columns of a third side (our network without our
+    layers) and its share of PyTorch's time. The values are the side's own; nothing is
+    asserted about which side is faster (timings move under CI's load)."""
     pytest.importorskip("torch")
     out = run_script(ROOT / "scripts" / "bench_networks.py", "--device", "cpu", "--networks", "nature_dqn",
                      "--precisions", "strict", "--modes", "eager", "--threads", "1", "--rounds", "1", "--iters",
@@ -207,7 +207,35 @@ def test_the_networks_benchmark_times_what_a_network_costs_besides_our_layers():
     assert "| ours without its layers wall ms | / torch wall |" in out
     row = next(line for line in out.splitlines() if line.startswith("| nature_dqn | act |"))
     ours, torch_ms, _, rest, share = (float(c) for c in row.strip(" |").split("|")[5:10])
-    assert 0 < rest < ours and share == pytest.approx(rest / torch_ms, abs=0.01)
+    assert min(ours, torch_ms, rest) > 0 and share == pytest.approx(rest / torch_ms, abs=0.01)
+
+
+def test_a_network_without_our_layers_calls_them_once_and_then_replays_their_outputs():
+    """bench_networks.without_layers: each swapped module (the Nature-DQN's run of three
+    layers) stands behind a LayerOutput that calls it once and then returns its output,
+    so the timed calls run only the network's other parts (the linear head); the outputs
+    are ours."""
+    torch = pytest.importorskip("torch")
+    import copy
+
+    import bench_networks
+
+    _, ours = bench_networks.models("nature_dqn", "cpu", torch.float32)
+    ours.eval()
+    rest = bench_networks.without_layers(copy.deepcopy(ours))
+    stand_ins = [m for m in rest.modules() if isinstance(m, bench_networks.LayerOutput)]
+    assert stand_ins and not [m for m in rest.modules() if type(m).__name__ == "Conv2dRun"
+                              and not any(m is s.module for s in stand_ins)]
+    calls = []
+    for s in stand_ins:
+        s.module.register_forward_hook(lambda *_: calls.append(1))
+    x = torch.randn(1, 4, 84, 84).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        want = ours(x)
+        first, again = rest(x), rest(x)
+    assert len(calls) == len(stand_ins)  # the first call only
+    torch.testing.assert_close(first, want, rtol=0, atol=0)
+    torch.testing.assert_close(again, want, rtol=0, atol=0)
 
 
 def test_the_networks_benchmark_refuses_pytorch_determinism_off_cuda():
