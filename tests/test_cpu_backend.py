@@ -321,13 +321,13 @@ def test_the_depthwise_loops_read_zero_padding_as_a_padded_copy_would(kernel, mu
 @pytest.mark.parametrize("dilation, padding, mode", [
     ((1, 1), ((1, 1), (1, 1)), "zeros"), ((2, 1), ((2, 2), (2, 2)), "zeros"),
     ((1, 1), ((2, 0), (1, 2)), "zeros"),  # uneven: d_z padded by 0 to 2 a side
-    ((1, 1), ((3, 1), (1, 1)), "zeros"),  # more than the kernel reaches: padded d_x, then its interior
+    ((1, 1), ((3, 1), (1, 1)), "zeros"),  # wider than the kernel reaches: d_z read at a negative offset
     ((1, 1), ((1, 1), (1, 1)), "reflect"), ((1, 2), ((2, 2), (2, 2)), "circular")])
 @pytest.mark.parametrize("input_hw", [(19, 17), (6, 7)])
 def test_the_3x3_depthwise_input_gradient_gathered_equals_the_reference(dilation, padding, mode, input_hw):
     """Stride 1: the forward's 3x3 loop over the padded d_z with the taps flipped, against
     the reference's float64 adjoint, on MobileNetV2-sized and small maps; with zero
-    padding, d_z padded only as far as d_x's positions need."""
+    padding, d_x's positions alone."""
     rng = np.random.default_rng(3)
     c = 6
     x = rng.standard_normal((2, *input_hw, c))
