@@ -338,3 +338,20 @@ def test_the_3x3_depthwise_input_gradient_gathered_equals_the_reference(dilation
         cpu_conv.conv_backward_data(w, d_z, input_hw, (1, 1), padding, dilation=dilation, groups=c, mode=mode),
         reference_conv.conv_backward_data(w, d_z, input_hw, (1, 1), padding, dilation=dilation, groups=c, mode=mode),
         rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("n, hw, c, kernel", [
+    (3, 20, 4, 3),  # blocks with more rows than columns: columns.T @ d_z, then the transpose
+    (70, 8, 32, 3),  # the same, over several blocks whose sums are added in order
+    (3, 4, 32, 4),  # fewer rows than columns: d_z.T @ columns
+    (40, 4, 256, 3),  # the same, over several blocks
+])
+def test_the_dense_filter_gradient_equals_the_reference_in_either_product_orientation(n, hw, c, kernel):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((n, hw, hw, c))
+    w = rng.standard_normal((6, kernel, kernel, c))
+    padding = ((1, 0), (0, 1))
+    d_z = rng.standard_normal(reference_conv.conv_forward(x, w, (1, 1), padding).shape)
+    np.testing.assert_allclose(cpu_conv.conv_backward_filter(x, d_z, (kernel, kernel), (1, 1), padding),
+                               reference_conv.conv_backward_filter(x, d_z, (kernel, kernel), (1, 1), padding),
+                               rtol=1e-12, atol=1e-11)
