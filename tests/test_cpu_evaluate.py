@@ -34,6 +34,8 @@ LAYERS = {
                                        activation="leaky_relu"),
     "depthwise_batch_norm": dict(in_channels=6, out_channels=12, kernel=3, padding=1, groups=6,
                                  normalization="batch_norm", activation="relu6"),
+    "depthwise_strided_no_bias": dict(in_channels=6, out_channels=6, kernel=3, stride=2, padding=1, groups=6,
+                                      bias=False, normalization="batch_norm", activation="relu6"),
     "grouped": dict(in_channels=6, out_channels=4, kernel=3, padding=1, groups=2, activation="elu"),
     "batch_invariant": dict(in_channels=4, out_channels=5, kernel=3, padding=1, normalization="batch_norm",
                             batch_invariant=True, activation="relu"),
@@ -78,8 +80,8 @@ def test_the_fused_evaluate_covers_layers_without_a_norm_or_with_running_statist
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("layer", ["batch_norm_relu", "no_norm_dilated_tanh", "depthwise_batch_norm", "grouped",
-                                   "layer_norm_gelu"])
+@pytest.mark.parametrize("layer", ["batch_norm_relu", "no_norm_dilated_tanh", "depthwise_batch_norm",
+                                   "depthwise_strided_no_bias", "grouped", "layer_norm_gelu"])
 def test_a_prepared_evaluate_gives_evaluates_bits_and_reads_the_values_at_each_call(layer, size, dtype):
     n, h, w = SIZES[size]
     spec = LayerSpec(batch_size=n, in_height=h, in_width=w, dtype=dtype, **LAYERS[layer])

@@ -133,7 +133,7 @@ def _depthwise(groups: int, channels: int) -> bool:
 
 def _taps(w: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Depthwise weights (OC, KH, KW, 1) as (KH, KW, OC) in `dtype`, contiguous."""
-    return np.ascontiguousarray(np.moveaxis(w[..., 0], 0, -1), dtype=dtype)
+    return np.ascontiguousarray(w[..., 0].transpose(1, 2, 0), dtype=dtype)  # not moveaxis: 2 us more a call
 
 
 def _output_size(padded_hw: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int],
@@ -204,6 +204,17 @@ def forward_function(x_shape: tuple[int, int, int, int], w: np.ndarray, stride: 
     oh, ow = _output_size(padded, (kh, kw), stride, dilation)
     rows, width = n * oh * ow, kh * kw * c
     step = 1 if per_sample else _block_samples(oh * ow * width * w.itemsize)
+    if _depthwise(groups, x_shape[3]) and mode == "zeros":
+        # conv_forward's depthwise case with its shape work done here (a third of
+        # MobileNetV2-like's acting call on a 16x16 map).
+        (top, _), (left, _) = pads_of(padding)
+        y_shape = (n, oh, ow, oc)
+
+        def forward_depthwise(x: np.ndarray) -> np.ndarray:
+            y = np.empty(y_shape, w.dtype)
+            conv_kernels.depthwise_forward(x, _taps(w, w.dtype), top, left, stride, dilation, y)
+            return y
+        return forward_depthwise
     if _depthwise(groups, x_shape[3]) or groups > 1 or step < n:
         return lambda x: conv_forward(x, w, stride, padding, per_sample, dilation, groups, mode)
     (top, _), (left, _) = pads_of(padding)
