@@ -228,6 +228,9 @@ def test_the_bfloat16_casts_give_numpys_bits_for_every_edge_case():
     np.testing.assert_array_equal(casts.cast(x, casts.BFLOAT16).view(np.uint16), want.view(np.uint16))
     np.testing.assert_array_equal(casts.through(x, casts.BFLOAT16).view(np.uint32),
                                   want.astype(np.float32).view(np.uint32))
+    in_place = x.copy()  # its own loop (one array): the same bits
+    casts.through(in_place, casts.BFLOAT16, out=in_place)
+    np.testing.assert_array_equal(in_place.view(np.uint32), want.astype(np.float32).view(np.uint32))
     every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(casts.BFLOAT16)  # exact: all 65,536
     np.testing.assert_array_equal(casts.cast(every, np.dtype(np.float32)).view(np.uint32),
                                   every.astype(np.float32).view(np.uint32))

@@ -62,6 +62,21 @@ def _through_bfloat16(first, end, src, dst):
         d[i] = _nearest(s[i]) << 16
 
 
+@njit(nogil=True, cache=True)
+def _through_bfloat16_in_place(first, end, a):
+    # One array, not _through_bfloat16 with src and dst the same: LLVM's runtime check
+    # finds the two overlapping and runs its scalar loop, 11x slower (98,304 values:
+    # 41 us against 3.7).
+    lo, hi = first * CAST_CHUNK, min(a.size, end * CAST_CHUNK)
+    s = a[lo:hi]
+    for i in range(s.size):  # _nearest written out, as in _to_bfloat16
+        u = s[i]
+        if (u & 0x7FFFFFFF) > 0x7F800000:
+            s[i] = (((u >> 16) & 0x8000) | 0x7FC0) << 16
+        else:
+            s[i] = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16) << 16
+
+
 def cast(a: np.ndarray, dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
     """`a.astype(dtype, copy=False)`, the same bits; bfloat16 <-> float32 of a C-contiguous
     array by the compiled loops. `out`: a C-contiguous array of a's shape and of `dtype`
@@ -94,9 +109,12 @@ def through(a: np.ndarray, dtype: np.dtype, out: np.ndarray | None = None) -> np
             return a.astype(dtype).astype(a.dtype)
         out[...] = a.astype(dtype)
         return out
+    tasks = -(-a.size // CAST_CHUNK)
+    if out is a:
+        run_tasks(_through_bfloat16_in_place, tasks, a.size, a.reshape(-1).view(np.uint32))
+        return a
     if out is None:
         out = np.empty_like(a)
-    run_tasks(_through_bfloat16, -(-a.size // CAST_CHUNK), a.size, a.reshape(-1).view(np.uint32),
-              out.reshape(-1).view(np.uint32))
+    run_tasks(_through_bfloat16, tasks, a.size, a.reshape(-1).view(np.uint32), out.reshape(-1).view(np.uint32))
     return out
 
