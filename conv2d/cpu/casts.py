@@ -69,12 +69,8 @@ def _through_bfloat16_in_place(first, end, a):
     # 41 us against 3.7).
     lo, hi = first * CAST_CHUNK, min(a.size, end * CAST_CHUNK)
     s = a[lo:hi]
-    for i in range(s.size):  # _nearest written out, as in _to_bfloat16
-        u = s[i]
-        if (u & 0x7FFFFFFF) > 0x7F800000:
-            s[i] = (((u >> 16) & 0x8000) | 0x7FC0) << 16
-        else:
-            s[i] = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16) << 16
+    for i in range(s.size):
+        s[i] = _nearest(s[i]) << 16
 
 
 def cast(a: np.ndarray, dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:

@@ -204,10 +204,10 @@ def forward_function(x_shape: tuple[int, int, int, int], w: np.ndarray, stride: 
     oh, ow = _output_size(padded, (kh, kw), stride, dilation)
     rows, width = n * oh * ow, kh * kw * c
     step = 1 if per_sample else _block_samples(oh * ow * width * w.itemsize)
+    (top, _), (left, _) = pads_of(padding)
     if _depthwise(groups, x_shape[3]) and mode == "zeros":
         # conv_forward's depthwise case with its shape work done here (a third of
         # MobileNetV2-like's acting call on a 16x16 map).
-        (top, _), (left, _) = pads_of(padding)
         y_shape = (n, oh, ow, oc)
 
         def forward_depthwise(x: np.ndarray) -> np.ndarray:
@@ -217,7 +217,6 @@ def forward_function(x_shape: tuple[int, int, int, int], w: np.ndarray, stride: 
         return forward_depthwise
     if _depthwise(groups, x_shape[3]) or groups > 1 or step < n:
         return lambda x: conv_forward(x, w, stride, padding, per_sample, dilation, groups, mode)
-    (top, _), (left, _) = pads_of(padding)
     w_t = w.reshape(oc, width).T
     (sh, sw), (dh, dw) = stride, dilation
     if _pointwise((kh, kw), stride, padding):
